@@ -1,0 +1,138 @@
+"""Everything a run needs, built in the order of the design: dist -> tokenizer -> data -> model ->
+parallelize -> weights -> optimizer. `build()` returns them; the Trainer only runs them."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardlm import ShardlmError
+from shardlm import dist as dist_mod
+from shardlm.config import Config, save_config
+from shardlm.data import TokenBlocks, prepare_data
+from shardlm.dist import Dist
+from shardlm.model import CausalLM, empty_model, initial_model, model_config
+from shardlm.parallel import Plan, parallelize, plan
+from shardlm.tokenizer import load_tokenizer
+
+
+@dataclass
+class Run:
+    cfg: Config
+    dist: Dist
+    plan: Plan
+    tokenizer: object
+    hf_config: object
+    model: CausalLM
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    train: TokenBlocks
+    val: TokenBlocks
+    total_steps: int
+    out_dir: Path
+
+
+def prepare_out_dir(path: str) -> Path:
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ShardlmError(f"out_dir '{out}' is a file, not a folder. Choose another out_dir.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardlmError(f"cannot create out_dir '{out}': {e.strerror}. Choose a writable out_dir.") from None
+    if not os.access(out, os.W_OK):
+        raise ShardlmError(f"out_dir '{out}' is not writable. Choose a writable out_dir.")
+    return out
+
+
+def init_dist(cfg: Config) -> tuple[Dist, Plan]:
+    """Detect the launch, choose the device, check the plan is feasible, then start the process group."""
+    info = dist_mod.detect_launch(launcher=cfg.parallel.launcher)
+    device = dist_mod.pick_device(cfg.parallel.device, info.local_rank)
+    pl = plan(cfg, info.world_size, info.local_world_size, device)
+    d = dist_mod.init(info, device, cfg.parallel.timeout_s, force_group=pl.use_fsdp)
+    return d, pl
+
+
+def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> None:
+    """Sharded model on meta -> allocate this rank's shards -> rank 0's weights broadcast into them.
+
+    Random init must happen on one rank: DTensor random ops on a CPU mesh draw the same values on
+    every rank, so a local init would give wrong shards.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
+    reference = initial_model(cfg, hf_cfg, cfg.train.seed) if dist.is_main else None
+    full = {f"hf.{k}": v for k, v in reference.state_dict().items()} if reference is not None else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
+        if reference is not None:
+            buf.copy_(reference.get_buffer(name.removeprefix("hf.")))
+        if dist.distributed:
+            torch.distributed.broadcast(buf, src=0)
+
+
+def build_model(cfg: Config, tokenizer, pl: Plan, dist: Dist) -> tuple[CausalLM, object]:
+    hf_cfg = model_config(cfg, tokenizer)
+    if pl.use_fsdp:
+        model = CausalLM(empty_model(hf_cfg, "meta"), cfg.train.loss_chunk_size)
+        parallelize(model, cfg, pl, dist)
+        materialize(model, cfg, hf_cfg, pl, dist)
+    else:
+        model = CausalLM(initial_model(cfg, hf_cfg, cfg.train.seed), cfg.train.loss_chunk_size).to(dist.device)
+        parallelize(model, cfg, pl, dist)
+    return model, hf_cfg
+
+
+def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, total_steps: int):
+    t = cfg.train
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **fused)
+
+    def lr_factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(1, total_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def count_steps(cfg: Config, train: TokenBlocks, world: int) -> int:
+    t = cfg.train
+    global_batch = world * t.batch_size * t.grad_accum
+    if len(train) < global_batch:
+        raise ShardlmError(
+            f"the training data has {len(train)} blocks of {cfg.data.seq_len} tokens, fewer than one global "
+            f"batch of {global_batch} (= {world} ranks x train.batch_size={t.batch_size} x "
+            f"train.grad_accum={t.grad_accum}). Use more data or lower train.batch_size / data.seq_len.")
+    if t.max_steps is not None:
+        return t.max_steps
+    return int(t.epochs * len(train) // global_batch)
+
+
+def build(cfg: Config) -> Run:
+    d, pl = init_dist(cfg)
+    out = d.run_on_main(lambda: str(prepare_out_dir(cfg.out_dir)))
+    if d.is_main:
+        save_config(cfg, Path(out) / "config.yaml")
+    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
+    train, val = prepare_data(cfg.data, tokenizer, d)
+    total = count_steps(cfg, train, d.world_size)
+    torch.manual_seed(cfg.train.seed)
+    model, hf_cfg = build_model(cfg, tokenizer, pl, d)
+    optimizer, scheduler = build_optimizer(model, cfg, d.device, total)
+    return Run(cfg, d, pl, tokenizer, hf_cfg, model, optimizer, scheduler, train, val, total, Path(out))

@@ -1,0 +1,276 @@
+"""Run configuration: nested dataclasses, a YAML file and dotted `key=value` overrides.
+
+OmegaConf structured configs do the parsing: one library gives YAML loading, dotted overrides and
+type checking against the dataclasses, and it is what Hydra users already know. We add what it lacks:
+unknown keys and bad values are reported with the nearest valid key or choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from shardlm import ShardlmError
+
+SHARDINGS = ("full", "grad_op", "no_shard", "hybrid_full", "hybrid_grad")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
+# `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
+@dataclass
+class ModelConfig:
+    name: str | None = None  # hub name or local HF folder; None = from scratch
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    n_positions: int = 256
+    dropout: float = 0.0
+    tokenizer: str = "bytes"  # "bytes", "gpt2" (bundled), a hub name or a local folder
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    train: str = "shakespeare"  # file, folder, "hf:name[/config][:split]" or "shakespeare" (bundled)
+    val: str | None = None  # None = hold out `val_fraction` of train
+    val_fraction: float = 0.1
+    seq_len: int = 256
+    text_field: str = "text"  # column of .csv / field of .jsonl / HF dataset column
+    hf_rows_are_documents: bool = True  # False for line-per-row datasets such as wikitext (no EOS per row)
+    cache_dir: str | None = None  # token cache; None = ~/.cache/shardlm (or $SHARDLM_CACHE)
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 8  # per-device micro-batch, in blocks of seq_len tokens
+    grad_accum: int = 1
+    max_steps: int | None = None  # wins over epochs when set; 0 = evaluate only
+    epochs: float = 1.0
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    eval_every: int = 200  # 0 = only at the end
+    eval_batches: int = 20  # micro-batches per rank per evaluation; 0 = the whole validation set
+    log_every: int = 10
+    seed: int = 1337
+    loss_chunk_size: int = 4096  # tokens per lm_head/loss chunk; 0 = plain full-logits loss
+    max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
+    sample_tokens: int = 200  # tokens generated at the end of training as a sample; 0 = none
+    sample_prompt: str = "\n"
+
+
+@dataclass
+class ParallelConfig:
+    sharding: str = "full"
+    shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
+    precision: str = "fp32"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+    prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
+    device: str = "auto"  # auto | cpu | cuda
+    launcher: str = "auto"
+    timeout_s: int = 600
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2
+    resume: str = "auto"  # auto | none | PATH
+    async_save: bool = False  # public key: checkpoint.async
+    export_final: bool = False
+    save_final: bool = True
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    out_dir: str = "runs/default"
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every dotted leaf key of the config, mapped to its dataclass field."""
+    keys: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type) or isinstance(f.default_factory, type):
+            keys.update(all_keys(f.default_factory, prefix + f.name + "."))  # type: ignore[arg-type]
+        else:
+            keys[prefix + f.name] = f
+    return keys
+
+
+def _nearest(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.4)
+    if not match:  # try the last component alone: "batchsize" -> "train.batch_size"
+        tails = {c.rsplit(".", 1)[-1]: c for c in choices}
+        hit = difflib.get_close_matches(word.rsplit(".", 1)[-1], list(tails), n=1, cutoff=0.6)
+        match = [tails[hit[0]]] if hit else []
+    return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _check_keys(tree: dict[str, Any], source: str, prefix: str = "") -> None:
+    known = all_keys()
+    sections = {k.split(".")[0] for k in known if "." in k}
+    for key, value in tree.items():
+        dotted = KEY_ALIASES.get(prefix + str(key), prefix + str(key))
+        if isinstance(value, dict) and dotted in sections:
+            _check_keys(value, source, dotted + ".")
+        elif dotted not in known:
+            raise ShardlmError(f"unknown config key '{dotted}' in {source}.{_nearest(dotted, list(known))}")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and prefix == "":
+            flat.update(_flatten(value, f"{key}."))
+        else:
+            flat[KEY_ALIASES.get(prefix + key, prefix + key)] = value
+    return flat
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["train.lr=1e-3", "data.val=null"]` -> `{"train.lr": 0.001, "data.val": None}` (YAML values)."""
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ShardlmError(
+                f"override '{item}' is not key=value. Example: train.batch_size=16 parallel.sharding=grad_op"
+            )
+        key, raw = item.split("=", 1)
+        key = KEY_ALIASES.get(key.strip(), key.strip())
+        try:
+            parsed[key] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            parsed[key] = raw
+    return parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- overrides, type-checked; then cross-field validation."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ShardlmError(f"config file '{path}' not found. Pass a YAML file (see configs/) or none.")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ShardlmError(f"config file '{path}' is not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ShardlmError(f"config file '{path}' must hold a mapping of sections, not {type(tree).__name__}")
+        _check_keys(tree, str(path))
+        values.update(_flatten(tree))
+    cli = parse_overrides(overrides or [])
+    _check_keys({k: v for k, v in cli.items()}, "the command line")
+    values.update(cli)
+    return build_config(values)
+
+
+def build_config(flat: dict[str, Any]) -> Config:
+    known = all_keys()
+    schema = OmegaConf.structured(Config)
+    for key, value in flat.items():
+        if key not in known:
+            raise ShardlmError(f"unknown config key '{key}'.{_nearest(key, list(known))}")
+        try:
+            OmegaConf.update(schema, key, value, merge=False)
+        except OmegaConfBaseException:
+            expected = getattr(known[key].type, "__name__", str(known[key].type))
+            raise ShardlmError(
+                f"config key '{key}' expects {expected}, got {value!r} ({type(value).__name__})."
+            ) from None
+    cfg: Config = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ShardlmError(f"{name} must be {bound}, got {value}.")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no hardware or world size; those that do live in parallel.check_feasible."""
+    for name, value, choices in (
+        ("parallel.sharding", cfg.parallel.sharding, SHARDINGS),
+        ("parallel.precision", cfg.parallel.precision, PRECISIONS),
+        ("parallel.launcher", cfg.parallel.launcher, LAUNCHERS),
+        ("parallel.device", cfg.parallel.device, ("auto", "cpu", "cuda")),
+        ("log.progress", cfg.log.progress, ("auto", "bar", "lines", "none")),
+    ):
+        if value not in choices:
+            raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{_nearest(value, choices)}")
+    t = cfg.train
+    _positive("train.batch_size", t.batch_size)
+    _positive("train.grad_accum", t.grad_accum)
+    _positive("data.seq_len", cfg.data.seq_len)
+    _positive("train.epochs", t.epochs, allow_zero=True)
+    if t.max_steps is not None:
+        _positive("train.max_steps", t.max_steps, allow_zero=True)
+    _positive("train.lr", t.lr)
+    _positive("train.log_every", t.log_every)
+    for name in ("eval_every", "eval_batches", "warmup_steps", "loss_chunk_size", "max_bad_steps"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("parallel.shard_size", cfg.parallel.shard_size, allow_zero=True)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ShardlmError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ShardlmError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}.")
+    m = cfg.model
+    if m.name is None:
+        _positive("model.n_layer", m.n_layer)
+        _positive("model.n_embd", m.n_embd)
+        _positive("model.n_head", m.n_head)
+        if m.n_embd % m.n_head:
+            raise ShardlmError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}.")
+        if cfg.data.seq_len > m.n_positions:
+            raise ShardlmError(
+                f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
+                f"lower data.seq_len or raise model.n_positions."
+            )
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
+
+
+def config_from_dict(tree: dict[str, Any]) -> Config:
+    """Rebuild a Config saved by `save_config` (checkpoints carry one), ignoring keys removed since."""
+    known = all_keys()
+    return build_config({k: v for k, v in _flatten(tree).items() if k in known})

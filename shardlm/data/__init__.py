@@ -1,0 +1,42 @@
+"""Data: sources -> token cache (built once, by rank 0) -> packed blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardlm import ShardlmError
+from shardlm.config import DataConfig
+from shardlm.data.blocks import GlobalSampler, TokenBlocks, eval_shares, micro_batch_position
+from shardlm.data.cache import build_cache, cache_root, load_tokens
+from shardlm.data.sources import resolve
+
+__all__ = ["GlobalSampler", "TokenBlocks", "eval_shares", "micro_batch_position", "prepare_data", "load_split"]
+
+
+def load_split(spec: str, cfg: DataConfig, tokenizer, dist, default_split: str):
+    """Tokens of one source as a memmap; rank 0 builds the cache while the others wait for its result."""
+    root = cache_root(cfg.cache_dir)
+
+    def build():
+        source = resolve(spec, default_split)
+        return str(build_cache(source, tokenizer, root, cfg.text_field, cfg.hf_rows_are_documents, log=dist.print))
+
+    return load_tokens(Path(dist.run_on_main(build)))
+
+
+def prepare_data(cfg: DataConfig, tokenizer, dist) -> tuple[TokenBlocks, TokenBlocks]:
+    train_tokens = load_split(cfg.train, cfg, tokenizer, dist, "train")
+    if cfg.val:
+        val_tokens = load_split(cfg.val, cfg, tokenizer, dist, "validation")
+        train = TokenBlocks(train_tokens, cfg.seq_len)
+        val = TokenBlocks(val_tokens, cfg.seq_len)
+    else:  # hold out the tail of the training stream, as nanoGPT does: deterministic and disjoint
+        cut = int(len(train_tokens) * (1 - cfg.val_fraction))
+        train = TokenBlocks(train_tokens, cfg.seq_len, 0, cut)
+        val = TokenBlocks(train_tokens, cfg.seq_len, cut)
+    for name, blocks in (("training", train), ("validation", val)):
+        tokens = blocks.end - blocks.start
+        if len(blocks) == 0:
+            raise ShardlmError(f"the {name} data has {tokens} tokens, fewer than one block of data.seq_len="
+                               f"{cfg.seq_len} + 1. Use more data or a smaller data.seq_len.")
+    return train, val

@@ -1,0 +1,154 @@
+"""What a run reports: JSONL records, TensorBoard scalars, a console progress line/bar with an ETA, MFU."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak FLOP/s per GPU (no sparsity), matched by substring of torch.cuda.get_device_name().
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
+              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12, "4090": 165e12, "3090": 71e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
+    """nanoGPT/PaLM estimate: 6N for the matmuls, 12*L*H*Q*T (= 12*L*C*T) for attention."""
+    return 6 * n_params + 12 * n_layer * n_embd * seq_len
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsLog:
+    """`metrics.jsonl` (one flushed line per record, so it can be tailed) and TensorBoard."""
+
+    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool):
+        self.enabled = enabled
+        self.file = open(out_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            split = record.get("split", "train")
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key not in ("step", "split"):
+                    self.tb.add_scalar(f"{split}/{key}", value, record["step"])
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Eta:
+    """Remaining time = steps left x steady step time + evaluations left x eval time + saves left x save time.
+
+    The first `warmup` steps (compile, allocator warm-up) are left out of the step time; the step time is
+    the mean over a sliding window so one slow step moves it little.
+    """
+
+    def __init__(self, total_steps: int, warmup: int = 3, window: int = 50):
+        self.total, self.warmup, self.window = total_steps, warmup, window
+        self.step_times: list[float] = []
+        self.warm_times: list[float] = []
+        self.eval_time: float | None = None
+        self.save_time: float | None = None
+
+    def add_step(self, seconds: float) -> None:
+        if len(self.warm_times) < self.warmup:
+            self.warm_times.append(seconds)
+        else:
+            self.step_times = (self.step_times + [seconds])[-self.window:]
+
+    def add_eval(self, seconds: float) -> None:
+        self.eval_time = seconds if self.eval_time is None else 0.5 * (self.eval_time + seconds)
+
+    def add_save(self, seconds: float) -> None:
+        self.save_time = seconds if self.save_time is None else 0.5 * (self.save_time + seconds)
+
+    def remaining(self, step: int, evals_left: int, saves_left: int) -> float | None:
+        times = self.step_times or self.warm_times[-1:]  # before steady state: the latest warm-up step
+        if not times:
+            return None
+        per_step = sum(times) / len(times)
+        return ((self.total - step) * per_step + evals_left * (self.eval_time or 0.0)
+                + saves_left * (self.save_time or 0.0))
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60:02d}:{rem % 60:02d}"
+
+
+class Progress:
+    """A tqdm bar on a terminal; plain lines (one per log interval) when stdout is a file or a pipe."""
+
+    def __init__(self, total: int, mode: str, enabled: bool, initial: int = 0):
+        self.enabled = enabled and mode != "none" and total > 0
+        self.bar = None
+        if self.enabled and (mode == "bar" or (mode == "auto" and sys.stdout.isatty())):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stdout,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
+
+    def update(self, step: int, fields: dict[str, str]) -> None:
+        if not self.enabled:
+            return
+        text = " ".join(f"{k} {v}" for k, v in fields.items())
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(text, refresh=True)
+        else:
+            print(f"step {step} {text}", flush=True)
+
+    def write(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class StepTimer:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        elapsed, self.start = now - self.start, now
+        return elapsed

@@ -1,0 +1,123 @@
+"""Model building: a Hugging Face causal LM (GPT-2 by default) wrapped with a memory-lean loss.
+
+`CausalLM` is the module FSDP shards as its root: running the loss inside its forward means the tied
+lm_head/wte weight is unsharded exactly while the loss needs it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardlm import ShardlmError
+from shardlm.config import Config
+from shardlm.loss import linear_cross_entropy
+
+HUB_GPT2 = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+
+
+class CausalLM(nn.Module):
+    def __init__(self, hf_model: nn.Module, loss_chunk_size: int = 0):
+        super().__init__()
+        self.hf = hf_model
+        self.loss_chunk_size = loss_chunk_size
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of token losses and count of correct next-token predictions (targets -100 are ignored)."""
+        hidden = self.hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+        head = self.hf.get_output_embeddings()
+        return linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
+                                    bias=getattr(head, "bias", None))
+
+
+def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:
+    """The repeated decoder blocks (GPT-2's `transformer.h`, Llama's `model.layers`, ...)."""
+    names = set(getattr(hf_model, "_no_split_modules", None) or [])
+    for module in hf_model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in names:
+            return module
+    biggest = max((m for m in hf_model.modules() if isinstance(m, nn.ModuleList)), key=len, default=None)
+    if biggest is None:
+        raise ShardlmError(f"cannot find the transformer blocks of {type(hf_model).__name__} to shard.")
+    return biggest
+
+
+def is_local_model(name: str) -> bool:
+    return Path(name).expanduser().is_dir()
+
+
+def model_config(cfg: Config, tokenizer):
+    """The HF config of the model to train: read from the hub/folder, or built from cfg for scratch."""
+    from transformers import AutoConfig, GPT2Config
+
+    m = cfg.model
+    dropout = {"resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout}
+    eos = tokenizer.eos_token_id
+    if m.name is None:
+        hf_cfg = GPT2Config(vocab_size=len(tokenizer), n_positions=m.n_positions, n_embd=m.n_embd,
+                            n_layer=m.n_layer, n_head=m.n_head, bos_token_id=eos, eos_token_id=eos,
+                            use_cache=False, **dropout)
+    else:
+        try:
+            hf_cfg = AutoConfig.from_pretrained(str(Path(m.name).expanduser()) if is_local_model(m.name) else m.name,
+                                                trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as e:
+            local = "is a folder without a config.json" if Path(m.name).exists() else "is not a local folder"
+            raise ShardlmError(
+                f"cannot load model '{m.name}': it {local} and the Hugging Face Hub did not answer "
+                f"({str(e).splitlines()[0][:160]}). Offline, point model.name at a local folder holding "
+                "config.json and model.safetensors (e.g. one saved with save_pretrained or `shardlm export`)."
+            ) from None
+        for key, value in dropout.items():
+            if hasattr(hf_cfg, key):
+                setattr(hf_cfg, key, value)
+        hf_cfg.use_cache = False
+    vocab = getattr(hf_cfg, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ShardlmError(f"tokenizer '{m.tokenizer}' has {len(tokenizer)} tokens but the model's vocabulary "
+                           f"holds {vocab}: use the model's own tokenizer (model.tokenizer).")
+    positions = getattr(hf_cfg, "n_positions", getattr(hf_cfg, "max_position_embeddings", None))
+    if positions is not None and cfg.data.seq_len > positions:
+        raise ShardlmError(f"data.seq_len={cfg.data.seq_len} exceeds the model's {positions} positions; "
+                           f"set data.seq_len<={positions}.")
+    hf_cfg._attn_implementation = "sdpa"
+    return hf_cfg
+
+
+def empty_model(hf_cfg, device: torch.device | str) -> nn.Module:
+    """The architecture with no weights loaded (on `meta` it allocates nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+                                                trust_remote_code=getattr(hf_cfg, "trust_remote_code", False))
+
+
+def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
+    """A real CPU model with the starting weights: pretrained ones, or a seeded random init."""
+    from transformers import AutoModelForCausalLM
+
+    if cfg.model.name is None:
+        torch.manual_seed(seed)
+        return empty_model(hf_cfg, "cpu")
+    name = str(Path(cfg.model.name).expanduser()) if is_local_model(cfg.model.name) else cfg.model.name
+    try:
+        return AutoModelForCausalLM.from_pretrained(name, config=hf_cfg, attn_implementation="sdpa",
+                                                    trust_remote_code=cfg.model.trust_remote_code,
+                                                    dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ShardlmError(f"cannot load weights of '{cfg.model.name}': {str(e).splitlines()[0][:200]}") from None
+
+
+def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or (exclude_embeddings and name.endswith("wpe.weight")):
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total

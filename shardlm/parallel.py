@@ -1,0 +1,107 @@
+"""The one place that decides how the model is spread over devices.
+
+`parallelize` applies, in this order: activation checkpointing per block -> torch.compile per block ->
+`fully_shard` per block, then the root. Every sharding strategy is a row of STRATEGIES; nothing else
+in the code depends on which one is chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shardlm import ShardlmError
+from shardlm.config import Config
+from shardlm.dist import Dist
+from shardlm.model import transformer_blocks
+
+# strategy -> (hybrid 2-D mesh?, reshard_after_forward). no_shard is a 2-D mesh whose shard dim is 1.
+STRATEGIES = {
+    "full": (False, True),
+    "grad_op": (False, False),
+    "no_shard": (True, False),
+    "hybrid_full": (True, True),
+    "hybrid_grad": (True, False),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Plan:
+    """What parallelize will do, decided (and checked) before any work starts."""
+
+    use_fsdp: bool
+    mesh_shape: tuple[int, ...]
+    reshard_after_forward: bool
+    dtype: torch.dtype
+
+
+def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.device) -> Plan:
+    p = cfg.parallel
+    if p.precision == "fp16" and device.type == "cpu":
+        raise ShardlmError("parallel.precision=fp16 needs a GPU: CPUs have no fast fp16 math. "
+                           "Use parallel.precision=fp32 (or bf16) on CPU.")
+    if p.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ShardlmError(f"parallel.precision=bf16 is not supported by {torch.cuda.get_device_name(device)}. "
+                           "Use parallel.precision=fp16 or fp32.")
+    hybrid, reshard = STRATEGIES[p.sharding]
+    if p.sharding == "no_shard":
+        shape: tuple[int, ...] = (world_size, 1)
+    elif hybrid:
+        shard = p.shard_size or local_world_size
+        if shard > world_size or world_size % shard:
+            raise ShardlmError(
+                f"parallel.sharding={p.sharding} needs parallel.shard_size to divide the world size: "
+                f"{shard} does not divide {world_size} ranks. Set parallel.shard_size to a divisor of "
+                f"{world_size} (ranks per node is the usual choice).")
+        shape = (world_size // shard, shard)
+    else:
+        shape = (world_size,)
+    return Plan(use_fsdp=world_size > 1 or p.cpu_offload, mesh_shape=shape,
+                reshard_after_forward=reshard, dtype=DTYPES[p.precision])
+
+
+def device_mesh(pl: Plan, device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard") if len(pl.mesh_shape) == 2 else ("shard",)
+    return init_device_mesh(device.type, pl.mesh_shape, mesh_dim_names=names)
+
+
+def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Module:
+    """Activation checkpointing -> compile -> fully_shard (per block, then root). Returns `model`."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = transformer_blocks(model.hf)
+    for i, block in enumerate(blocks):
+        if cfg.parallel.activation_checkpointing:
+            block = checkpoint_wrapper(block, preserve_rng_state=cfg.model.dropout > 0)
+        if cfg.parallel.compile:
+            block.compile(dynamic=False)
+        blocks[i] = block
+    if not pl.use_fsdp:
+        return model
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
+    if pl.dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
+    if cfg.parallel.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if cfg.parallel.prefetch > 0 and len(blocks) > 1:
+        depth = cfg.parallel.prefetch
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(list(blocks[i + 1: i + 1 + depth]))
+            block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - depth): i])))
+    return model
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Skip reduce-scatter/all-reduce on non-final micro-steps of gradient accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)

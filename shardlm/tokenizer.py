@@ -1,0 +1,67 @@
+"""Tokenizers: the bundled GPT-2 BPE, a byte-level one, or any Hugging Face tokenizer.
+
+The byte-level tokenizer is a real `PreTrainedTokenizerFast` (byte-level BPE with no merges: ids 0-255
+are the bytes, 256 is `<|endoftext|>`), so it saves, exports and reloads like any HF tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from shardlm import ShardlmError
+
+ASSETS = Path(__file__).parent / "assets"
+BUNDLED_GPT2 = ASSETS / "gpt2-tokenizer"
+EOS = "<|endoftext|>"
+GPT2_NAMES = {"gpt2", "openai-community/gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl",
+              "openai-community/gpt2-medium", "openai-community/gpt2-large", "openai-community/gpt2-xl"}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the alphabet of byte-level BPE)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab[EOS] = 256
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS)
+    tok.model_max_length = 1 << 30
+    tok.name_or_path = "bytes"
+    return tok
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """`bytes`, `gpt2` (bundled, identical to the hub's), a local folder, or a hub name."""
+    from transformers import AutoTokenizer
+
+    if spec == "bytes":
+        return byte_tokenizer()
+    source = str(BUNDLED_GPT2) if spec in GPT2_NAMES else spec
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        where = "the local folder" if Path(spec).exists() else "the Hugging Face Hub (it may be offline)"
+        raise ShardlmError(
+            f"cannot load tokenizer '{spec}' from {where}: {str(e).splitlines()[0]} "
+            f"Use model.tokenizer=gpt2 (bundled), bytes, or a local folder holding tokenizer files."
+        ) from None
+    if tok.eos_token is None:
+        raise ShardlmError(f"tokenizer '{spec}' has no EOS token; shardlm separates documents with it.")
+    return tok
+
+
+def fingerprint(tok) -> str:
+    """A hash that changes when the tokenizer would produce different ids (keys the token cache)."""
+    state = tok.backend_tokenizer.to_str() if hasattr(tok, "backend_tokenizer") else json.dumps(tok.get_vocab())
+    return hashlib.sha256(state.encode()).hexdigest()[:16]
