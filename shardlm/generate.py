@@ -49,3 +49,12 @@ def generate_text(hf_model: nn.Module, tokenizer, prompt: str, max_new_tokens: i
     if greedy and num_samples > 1:
         out = out.repeat(num_samples, 1)
     return [tokenizer.decode(row, skip_special_tokens=False) for row in out.tolist()]
+
+
+def generate_from_path(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[str]:
+    from shardlm.load import load_for_inference
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, _cfg, _ckpt = load_for_inference(path, device)
+    return generate_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples)

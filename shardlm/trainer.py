@@ -144,6 +144,7 @@ class Trainer:
         while self.step < total and not self.stop_requested:
             out = self.train_step()
             acc_loss += torch.stack([out["loss_sum"].double(), out["correct"].double()])
+            _test_signal_hook(self.step, self.dist.rank)
             seconds = timer.lap()
             eta.add_step(seconds)
             interval_time, interval_steps = interval_time + seconds, interval_steps + 1
@@ -175,15 +176,17 @@ class Trainer:
                 interval_time, interval_steps = 0.0, 0
             if t.eval_every and self.step % t.eval_every == 0 and self.step < total:
                 last_val = self._eval_and_log(log, progress, eta)
-            if self.checkpointer and self.checkpointer.due(self.step, total):
-                began = time.perf_counter()
-                self.checkpointer.save(self)
-                eta.add_save(time.perf_counter() - began)
+            if self.checkpointer:
+                self.stop_requested = self.checkpointer.should_stop()
+                if self.stop_requested or self.checkpointer.due(self.step, total):
+                    began = time.perf_counter()
+                    self.checkpointer.save(self)
+                    eta.add_save(time.perf_counter() - began)
             timer.lap()  # evaluation and saving are counted by the ETA on their own
-        if self.step == total or not self.stop_requested:
+        if not self.stop_requested:
             last_val = self._eval_and_log(log, progress, eta)
-        if self.checkpointer and self.stop_requested:
-            self.checkpointer.save(self)
+        if self.checkpointer:
+            self.checkpointer.finish_pending()
         progress.close()
         log.close()
         wall = time.time() - start_wall
@@ -220,3 +223,12 @@ class Trainer:
                 f"{len(self.run.val):,} val blocks of {self.seq_len} tokens\n"
                 f"{self.run.total_steps} steps x {self.global_batch} blocks "
                 f"({self.global_batch * self.seq_len:,} tokens per step), out_dir {self.run.out_dir}")
+
+
+def _test_signal_hook(step: int, rank: int) -> None:
+    """Test hook: SHARDLM_TEST_SIGTERM_AT=STEP sends SIGTERM to rank 0 alone after that step."""
+    import os
+    import signal
+
+    if rank == 0 and os.environ.get("SHARDLM_TEST_SIGTERM_AT") == str(step):
+        os.kill(os.getpid(), signal.SIGTERM)

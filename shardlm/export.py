@@ -1,0 +1,38 @@
+"""`shardlm export`: a checkpoint (or run dir) -> a Hugging Face folder that `from_pretrained` and
+`pipeline("text-generation")` load offline: config.json, model.safetensors (sharded with an index when
+large), generation_config.json and the tokenizer files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from shardlm import ShardlmError
+from shardlm.load import load_for_inference
+
+
+def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB") -> Path:
+    from transformers import GenerationConfig
+
+    model, tokenizer, _cfg, _ckpt = load_for_inference(path)
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ShardlmError(f"export target '{out}' is a file; give a folder.")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        eos = tokenizer.eos_token_id
+        model.config.bos_token_id = model.config.eos_token_id = eos
+        model.config.use_cache = True
+        model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                                                   do_sample=True, max_new_tokens=100)
+        model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(str(tmp))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ShardlmError(f"export to '{out}' failed: {e.strerror or e}.") from None
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

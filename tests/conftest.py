@@ -1,0 +1,62 @@
+"""Shared helpers: a tiny corpus and config, and runners for in-process and torchrun training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT / "shardlm" / "assets" / "tinyshakespeare" / "input.txt"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "shakespeare_small.txt"
+    path.write_text(SHAKESPEARE.read_text()[:60_000])
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token_cache")
+
+
+def tiny(corpus: Path, cache_dir: Path, out_dir: Path, **extra) -> list[str]:
+    """Overrides for a ~40K-parameter byte-level GPT that trains in seconds."""
+    values = {
+        "data.train": corpus, "data.cache_dir": cache_dir, "out_dir": out_dir,
+        "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2, "model.n_positions": 64,
+        "data.seq_len": 32, "train.batch_size": 8, "train.max_steps": 10, "train.log_every": 1,
+        "train.eval_every": 0, "train.eval_batches": 4, "train.warmup_steps": 2, "train.lr": 3e-3,
+        "train.sample_tokens": 0, "log.tensorboard": False, "log.progress": "lines",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeout: int = 300,
+                check: bool = True) -> subprocess.CompletedProcess:
+    if nproc:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "shardlm", *args]
+    else:
+        cmd = [sys.executable, "-m", "shardlm", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def records(out_dir: Path, split: str = "train") -> list[dict]:
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def losses(out_dir: Path) -> list[float]:
+    return [r["loss"] for r in records(out_dir)]
