@@ -4,7 +4,37 @@ import yaml
 from shardlm import ShardlmError
 from shardlm.config import all_keys, load_config, save_config
 
-PUBLIC_KEYS = ["model.name", "model.n_layer", "model.n_head", "model.n_embd", "model.n_positions", "model.dropout", "model.tokenizer", "data.train", "data.val", "data.seq_len", "train.batch_size", "train.grad_accum", "train.max_steps", "train.epochs", "train.lr", "train.warmup_steps", "train.weight_decay", "train.grad_clip", "train.eval_every", "train.eval_batches", "train.log_every", "train.seed", "parallel.sharding", "parallel.shard_size", "parallel.precision", "parallel.cpu_offload", "parallel.activation_checkpointing", "parallel.compile", "out_dir"]
+PUBLIC_KEYS = [
+    "model.name",
+    "model.n_layer",
+    "model.n_head",
+    "model.n_embd",
+    "model.n_positions",
+    "model.dropout",
+    "model.tokenizer",
+    "data.train",
+    "data.val",
+    "data.seq_len",
+    "train.batch_size",
+    "train.grad_accum",
+    "train.max_steps",
+    "train.epochs",
+    "train.lr",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.grad_clip",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.log_every",
+    "train.seed",
+    "parallel.sharding",
+    "parallel.shard_size",
+    "parallel.precision",
+    "parallel.cpu_offload",
+    "parallel.activation_checkpointing",
+    "parallel.compile",
+    "out_dir",
+]
 
 
 def test_public_keys_exist():
@@ -19,15 +49,18 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.parallel.sharding == "grad_op" and cfg.model.name is None and cfg.checkpoint.async_save
 
 
-@pytest.mark.parametrize("overrides, words", [
-    (["train.batchsize=3"], ["train.batchsize", "train.batch_size"]),
-    (["trian.lr=1"], ["trian.lr", "train.lr"]),
-    (["train.batch_size=abc"], ["train.batch_size", "int", "abc"]),
-    (["parallel.sharding=ful"], ["parallel.sharding", "'full'"]),
-    (["train.batch_size=0"], ["train.batch_size", "> 0"]),
-    (["train.batch_size"], ["key=value"]),
-    (["data.seq_len=512", "model.n_positions=256"], ["data.seq_len=512", "n_positions"]),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["train.batchsize=3"], ["train.batchsize", "train.batch_size"]),
+        (["trian.lr=1"], ["trian.lr", "train.lr"]),
+        (["train.batch_size=abc"], ["train.batch_size", "int", "abc"]),
+        (["parallel.sharding=ful"], ["parallel.sharding", "'full'"]),
+        (["train.batch_size=0"], ["train.batch_size", "> 0"]),
+        (["train.batch_size"], ["key=value"]),
+        (["data.seq_len=512", "model.n_positions=256"], ["data.seq_len=512", "n_positions"]),
+    ],
+)
 def test_bad_overrides_name_the_key(overrides, words):
     with pytest.raises(ShardlmError) as err:
         load_config(None, overrides)
@@ -45,7 +78,14 @@ def test_unknown_key_in_yaml_names_file_and_nearest(tmp_path):
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(None, ["train.lr=0.5", "parallel.sharding=hybrid_grad"])
     save_config(cfg, tmp_path / "config.yaml")
-    again = load_config(None, [f"{s}.{k}={v!r}" if isinstance(v, str) else f"{s}.{k}={v}"
-                               for s, sec in yaml.safe_load((tmp_path / "config.yaml").read_text()).items()
-                               if isinstance(sec, dict) for k, v in sec.items() if v is not None])
+    again = load_config(
+        None,
+        [
+            f"{s}.{k}={v!r}" if isinstance(v, str) else f"{s}.{k}={v}"
+            for s, sec in yaml.safe_load((tmp_path / "config.yaml").read_text()).items()
+            if isinstance(sec, dict)
+            for k, v in sec.items()
+            if v is not None
+        ],
+    )
     assert again.train.lr == 0.5 and again.parallel.sharding == "hybrid_grad"
