@@ -29,21 +29,21 @@ KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 @dataclass
 class ModelConfig:
     name: str | None = None  # hub name or local HF folder; None = from scratch
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 256
-    n_positions: int = 256
-    dropout: float = 0.0
+    n_layer: int = 4  # transformer blocks (from scratch)
+    n_head: int = 4  # attention heads (from scratch)
+    n_embd: int = 192  # model width (from scratch)
+    n_positions: int = 256  # context length the model supports (from scratch)
+    dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
     tokenizer: str = "bytes"  # "bytes", "gpt2" (bundled), a hub name or a local folder
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # allow Hub models that ship their own code (off: safe by default)
 
 
 @dataclass
 class DataConfig:
     train: str = "shakespeare"  # file, folder, "hf:name[/config][:split]" or "shakespeare" (bundled)
     val: str | None = None  # None = hold out `val_fraction` of train
-    val_fraction: float = 0.1
-    seq_len: int = 256
+    val_fraction: float = 0.1  # tail of data.train held out for validation when data.val is null
+    seq_len: int = 128  # tokens per packed training block
     text_field: str = "text"  # column of .csv / field of .jsonl / HF dataset column
     hf_rows_are_documents: bool = True  # False for line-per-row datasets such as wikitext (no EOS per row)
     cache_dir: str | None = None  # token cache; None = ~/.cache/shardlm (or $SHARDLM_CACHE)
@@ -51,55 +51,55 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 8  # per-device micro-batch, in blocks of seq_len tokens
-    grad_accum: int = 1
+    batch_size: int = 32  # per-device micro-batch, in blocks of seq_len tokens
+    grad_accum: int = 1  # micro-batches per optimizer step (no gradient sync until the last)
     max_steps: int | None = None  # wins over epochs when set; 0 = evaluate only
-    epochs: float = 1.0
-    lr: float = 3e-4
+    epochs: float = 1.5  # passes over data.train when max_steps is null; 0 = evaluate only
+    lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
+    warmup_steps: int = 20  # linear warmup, then cosine decay
+    weight_decay: float = 0.1  # AdamW decay on matrices; biases, norms get none
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # 0 = off
-    eval_every: int = 200  # 0 = only at the end
-    eval_batches: int = 20  # micro-batches per rank per evaluation; 0 = the whole validation set
-    log_every: int = 10
-    seed: int = 1337
-    loss_chunk_size: int = 4096  # tokens per lm_head/loss chunk; 0 = plain full-logits loss
+    eval_every: int = 50  # steps between validations; 0 = only at the end
+    eval_batches: int = 8  # micro-batches per rank per evaluation; 0 = the whole validation set
+    log_every: int = 25  # steps between training records and console lines
+    seed: int = 1337  # init, data order and dropout
+    loss_chunk_size: int = 1024  # tokens per lm_head/loss chunk; 0 = plain full-logits loss
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
     sample_tokens: int = 200  # tokens generated at the end of training as a sample; 0 = none
-    sample_prompt: str = "\n"
+    sample_prompt: str = "\n"  # prompt of that sample
 
 
 @dataclass
 class ParallelConfig:
-    sharding: str = "full"
+    sharding: str = "full"  # full | grad_op | no_shard | hybrid_full | hybrid_grad
     shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
-    precision: str = "fp32"
-    cpu_offload: bool = False
-    activation_checkpointing: bool = False
-    compile: bool = False
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (params/compute; gradients reduce in fp32)
+    cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    compile: bool = False  # torch.compile each block
     prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
-    device: str = "auto"  # auto | cpu | cuda
-    launcher: str = "auto"
-    timeout_s: int = 600
+    device: str = "auto"  # auto, cpu or cuda
+    launcher: str = "auto"  # auto, torchrun, slurm, mpi or single
+    timeout_s: int = 600  # collective timeout: a dead rank brings the others down after this
 
 
 @dataclass
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep: int = 2
-    resume: str = "auto"  # auto | none | PATH
-    async_save: bool = False  # public key: checkpoint.async
-    export_final: bool = False
-    save_final: bool = True
+    keep: int = 2  # complete checkpoints kept (newest first)
+    resume: str = "auto"  # auto (newest in out_dir), none, or a checkpoint / run dir path
+    async_save: bool = False  # DCP async save: training goes on while shards are written
+    export_final: bool = False  # write a Hugging Face folder to OUT_DIR/hf at the end
+    save_final: bool = True  # checkpoint when training ends
 
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
-    progress: str = "auto"  # auto (bar on a terminal, lines otherwise) | bar | lines | none
+    tensorboard: bool = True  # also write TensorBoard scalars to OUT_DIR/tensorboard
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise), bar, lines or none
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
-    out_dir: str = "runs/default"
+    out_dir: str = "runs/default"  # metrics, config, checkpoints and exports of the run
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Field]:
