@@ -1,0 +1,60 @@
+"""Launcher detection from the environments torchrun, SLURM and MPI launchers set."""
+
+import pytest
+
+from shardlm import ShardlmError
+from shardlm.dist import detect_launch, expand_nodelist
+
+
+def test_nothing_set_is_single():
+    assert detect_launch({}).launcher == "single"
+
+
+def test_torchrun_multi_node():
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n0",
+           "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "x"}
+    info = detect_launch(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.num_nodes) == ("torchrun", 5, 8, 1, 2)
+    assert (info.master_addr, info.master_port) == ("n0", 29400)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+    ("gpu5", ["gpu5"]),
+    ("a[1-2],b[09-10]", ["a1", "a2", "b09", "b10"]),
+    ("rack1-n[8-9]-ib", ["rack1-n8-ib", "rack1-n9-ib"]),
+])
+def test_slurm_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_slurm_srun_task():
+    env = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "node[01-03,07]", "SLURM_JOB_ID": "12345"}
+    info = detect_launch(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size) == \
+        ("slurm", 6, 8, 2, 4)
+    assert info.master_addr == "node01" and info.master_port == 20000 + 12345 % 20000
+
+
+def test_openmpi(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x3005c0s13b0n0.hsn\nx3005c0s13b0n0.hsn\nx3005c0s19b1n0.hsn\n")
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PBS_NODEFILE": str(nodefile)}
+    info = detect_launch(env)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.num_nodes) == ("mpi", 3, 4, 1, 2)
+    assert info.master_addr == "x3005c0s13b0n0.hsn"
+
+
+def test_mpich_pmi_and_pals():
+    assert detect_launch({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}).rank == 1
+    pals = detect_launch({"PALS_RANKID": "7", "PMI_SIZE": "8", "PALS_LOCAL_RANKID": "3", "PALS_LOCAL_SIZE": "4"})
+    assert (pals.rank, pals.world_size, pals.local_rank, pals.num_nodes) == (7, 8, 3, 2)
+
+
+def test_forced_launcher_overrides_detection():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
+    assert detect_launch(env, "single").launcher == "single"
+    with pytest.raises(ShardlmError, match="mpiexec"):
+        detect_launch({}, "mpi")
