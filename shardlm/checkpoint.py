@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardlm import ShardlmError, __version__
 from shardlm.config import save_config
+
+# One process without a process group saves and loads through the same DCP path; DCP warns about it.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 ARCH_KEYS = ("model_type", "n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "num_hidden_layers",
              "hidden_size", "num_attention_heads", "max_position_embeddings")

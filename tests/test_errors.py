@@ -1,0 +1,132 @@
+"""Bad input: one clear message naming the problem and the fix, exit code 2, no traceback, nothing lost.
+The catalogue lives in docs/errors.md; data and config cases are also in test_data.py / test_config.py."""
+
+import json
+
+import pytest
+import torch
+from conftest import shardlm_cli, tiny
+
+from shardlm import ShardlmError
+from shardlm.config import load_config
+from shardlm.metrics import Eta
+from shardlm.model import model_config
+from shardlm.parallel import plan
+from shardlm.plot import plot_runs
+from shardlm.tokenizer import byte_tokenizer, load_tokenizer
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("overrides, world, local, message", [
+    (["parallel.precision=fp16"], 1, 1, "fp16 needs a GPU"),
+    (["parallel.sharding=hybrid_full", "parallel.shard_size=2"], 3, 3, "2 does not divide 3 ranks"),
+    (["parallel.sharding=hybrid_grad"], 6, 4, "4 does not divide 6 ranks"),
+])
+def test_infeasible_parallel_plans(overrides, world, local, message):
+    with pytest.raises(ShardlmError, match=message):
+        plan(load_config(None, overrides), world, local, CPU)
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=257, n_layer=1, n_embd=8, n_head=1).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.name={tmp_path}", "model.tokenizer=gpt2"])
+    with pytest.raises(ShardlmError, match="50257 tokens but the model's vocabulary holds 257"):
+        model_config(cfg, load_tokenizer("gpt2"))
+
+
+def test_seq_len_beyond_pretrained_positions(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(vocab_size=257, n_positions=64, n_layer=1, n_embd=8, n_head=1).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.name={tmp_path}", "data.seq_len=128"])
+    with pytest.raises(ShardlmError, match="data.seq_len=128 exceeds the model's 64 positions"):
+        model_config(cfg, byte_tokenizer())
+
+
+def test_unreachable_model_name_says_offline_and_local_folder():
+    cfg = load_config(None, ["model.name=no-such-org/no-such-model-xyz"])
+    with pytest.raises(ShardlmError, match="local folder"):
+        model_config(cfg, byte_tokenizer())
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"train.batch_size": 100000}, "fewer than one global batch"),
+    ({"parallel.precision": "fp16"}, "fp16 needs a GPU"),
+    ({"data.train": "/nonexistent/corpus.txt"}, "does not exist"),
+    ({"train.lr": "fast"}, "train.lr' expects float"),
+])
+def test_cli_errors_are_one_line_exit_2(corpus, cache_dir, tmp_path, extra, message):
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / "run", **extra)], check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("error:")
+
+
+def test_out_dir_that_is_a_file(corpus, cache_dir, tmp_path):
+    (tmp_path / "file").write_text("precious")
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / "file")], check=False)
+    assert proc.returncode == 2 and "is a file" in proc.stderr
+    assert (tmp_path / "file").read_text() == "precious"
+
+
+def test_resume_with_another_architecture_names_the_difference(corpus, cache_dir, tmp_path):
+    shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 2})])
+    metrics_before = (tmp_path / "metrics.jsonl").read_text()
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"model.n_layer": 3})], check=False)
+    assert proc.returncode == 2 and "n_layer: checkpoint 2 vs config 3" in proc.stderr
+    assert (tmp_path / "checkpoints" / "step_000000002" / "manifest.json").is_file()
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_disk_full_while_saving_keeps_earlier_checkpoints(corpus, cache_dir, tmp_path, monkeypatch):
+    from shardlm import checkpoint as ckpt_mod
+    from shardlm.train import train
+
+    cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"checkpoint.every": 2, "train.max_steps": 6}))
+    real_save, calls = ckpt_mod.dcp.save, []
+
+    def full_disk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod.dcp, "save", full_disk)
+    with pytest.raises(ShardlmError, match="No space left on device.*intact"):
+        train(cfg)
+    assert (tmp_path / "checkpoints" / "step_000000002" / "manifest.json").is_file()
+
+
+def test_eta_lands_within_15_percent_with_warmup_evals_and_saves():
+    """Synthetic run: 3 slow warm-up steps (compile), then 0.2 s steps, 1 s evals every 10, 0.5 s saves."""
+    total, eta = 100, Eta(100)
+    durations = [5.0, 3.0, 2.0] + [0.2] * 97
+    for step in range(1, total + 1):
+        eta.add_step(durations[step - 1])
+        if step % 10 == 0:
+            eta.add_eval(1.0)
+            eta.add_save(0.5)
+        if step >= 5:
+            evals_left, saves_left = (total - step) // 10 + 1, (total - step) // 10
+            truth = sum(durations[step:]) + evals_left * 1.0 + saves_left * 0.5
+            if step >= 10:  # once an eval and a save have been seen
+                assert eta.remaining(step, evals_left, saves_left) == pytest.approx(truth, rel=0.15)
+
+
+def test_plot_writes_pngs_and_overlays_runs(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 0.9)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"step": s, "split": "train", "loss": scale * 5 / s, "lr": 1e-3, "tokens": s * 100,
+                  "tokens_per_s": 1000.0, "peak_mem_gb": 1.0} for s in range(1, 11)]
+        lines += [{"step": 10, "split": "val", "loss": 1.0, "ppl": 2.7, "accuracy": 0.3, "tokens_seen": 1000}]
+        (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    paths = plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "plots"))
+    assert {p.name for p in paths} >= {"loss_vs_step.png", "loss_vs_tokens.png", "val_perplexity.png",
+                                       "learning_rate.png", "throughput.png", "memory.png"}
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    with pytest.raises(ShardlmError, match="no metrics.jsonl"):
+        plot_runs([str(tmp_path)])
