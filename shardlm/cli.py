@@ -74,6 +74,17 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from shardlm.config import load_config
+    from shardlm.estimate import describe
+    from shardlm.tokenizer import load_tokenizer
+
+    config, overrides = _split_config(args.rest)
+    cfg = load_config(config, overrides)
+    print(describe(cfg, load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code), args.world_sizes))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardlm", description="Train GPT-2-family models with PyTorch FSDP2.")
     p.add_argument("--version", action="version", version=f"shardlm {__version__}")
@@ -108,6 +119,11 @@ def parser() -> argparse.ArgumentParser:
     x = add("export", cmd_export, "write a Hugging Face folder from a checkpoint or run dir")
     x.add_argument("path")
     x.add_argument("out_dir")
+
+    es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG.yaml] [key=value]")
+    es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
+                    help="comma-separated world sizes to estimate for (default 1,2,4,8)")
+    es.add_argument("rest", nargs="*", help="optional config file, then key=value overrides")
 
     pl = add("plot", cmd_plot, "plot metrics of one or more run dirs to PNG files")
     pl.add_argument("runs", nargs="+")

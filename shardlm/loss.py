@@ -27,25 +27,31 @@ class _ChunkedLinearCE(torch.autograd.Function):
             if need_grad and bias is not None else None
         for start in range(0, n, chunk_size):
             h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
-            logits = F.linear(h, weight, bias).float()
             valid = t != IGNORE
             safe_t = t.clamp(min=0)
-            lse = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, safe_t[:, None]).squeeze(1)
+            # one (rows x vocab) fp32 buffer per chunk: logits -> exp -> softmax -> its gradient, in place
+            buf = F.linear(h, weight, bias).float()
+            target_logit = buf.gather(1, safe_t[:, None]).squeeze(1)
+            correct += ((buf.argmax(-1) == t) & valid).sum()
+            row_max = buf.amax(-1, keepdim=True)
+            sum_exp = buf.sub_(row_max).exp_().sum(-1, keepdim=True)
+            lse = (sum_exp.log() + row_max).squeeze(1)
             loss += torch.where(valid, lse - target_logit, 0.0).sum()
-            correct += ((logits.argmax(-1) == t) & valid).sum()
             if need_grad:
-                grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place
-                grad_logits[torch.arange(len(t), device=t.device), safe_t] -= 1.0
-                grad_logits *= valid[:, None]
-                grad_logits = grad_logits.to(h.dtype)
+                buf.div_(sum_exp)
+                buf[torch.arange(len(t), device=t.device), safe_t] -= 1.0
+                if buf.is_cuda or not bool(valid.all()):  # on GPU, masking beats a host sync
+                    buf *= valid[:, None]
+                grad_logits = buf.to(h.dtype)
                 grad_hidden[start:start + chunk_size] = grad_logits @ weight.to(h.dtype)
                 if h.dtype == torch.float32:
                     grad_weight.addmm_(grad_logits.t(), h)
                 else:
                     grad_weight += (grad_logits.t() @ h).float()
                 if grad_bias is not None:
-                    grad_bias += grad_logits.float().sum(0)
+                    grad_bias += buf.sum(0)
+                del grad_logits
+            del buf
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(correct)

@@ -1,0 +1,183 @@
+"""shardlm vs Hugging Face Trainer: the same GPT-2, data blocks, batch, seq, precision and optimizer.
+
+    python benchmarks/vs_hf_trainer.py                      # CPU: 6 x 384 GPT-2 (vocab 50257), seq 256, batch 8, fp32
+    python benchmarks/vs_hf_trainer.py --gpu                # GPU: GPT-2 124M, seq 1024, batch 8, bf16
+    python benchmarks/vs_hf_trainer.py --nproc 2            # both sides on 2 ranks (HF: its accelerate path)
+
+Each side runs in its own process (tree), so peak RSS / peak CUDA memory are its own. The last line of
+output is one JSON object with both sides' tokens/s, peak memory and final loss, `speedup` (shardlm
+tokens/s / HF tokens/s) and `memory_ratio` (HF peak / shardlm peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"
+
+
+def settings(args) -> dict:
+    if args.gpu:
+        model = {"n_layer": 12, "n_head": 12, "n_embd": 768}
+        return {"model": model, "seq": 1024, "batch": args.batch or 8, "precision": "bf16", "steps": args.steps,
+                "warmup": 5}
+    return {"model": {"n_layer": 6, "n_head": 6, "n_embd": 384}, "seq": 256, "batch": args.batch or 8,
+            "precision": "fp32", "steps": args.steps, "warmup": 3}
+
+
+def peak_memory_gb() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
+    m = s["model"]
+    return [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}", f"model.n_embd={m['n_embd']}",
+            f"model.n_positions={s['seq']}", "model.tokenizer=gpt2", "model.dropout=0.0", f"data.train={data}",
+            f"data.seq_len={s['seq']}", f"train.batch_size={s['batch']}", f"train.max_steps={s['steps']}",
+            "train.lr=6e-4", "train.warmup_steps=2", "train.weight_decay=0.1", "train.grad_clip=1.0",
+            f"parallel.precision={s['precision']}", "train.sample_tokens=0", "train.eval_every=0",
+            "log.tensorboard=false", "log.progress=none", "checkpoint.save_final=false",
+            "out_dir=/tmp/shardlm-bench-run", *extra]
+
+
+def run_shardlm(s: dict, data: str, extra: list[str]) -> dict:
+    from shardlm.build import build
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+
+    trainer = Trainer(build(load_config(None, shardlm_overrides(s, data, extra))))
+    times, loss = [], None
+    tokens = trainer.global_batch * trainer.seq_len
+    for _ in range(s["steps"]):
+        began = time.perf_counter()
+        out = trainer.train_step()
+        loss_sum = trainer.dist.all_reduce_sum(out["loss_sum"].clone())
+        loss = loss_sum.item() / tokens  # syncs the device, so the step time is real
+        times.append(time.perf_counter() - began)
+    steady = times[s["warmup"]:]
+    return {"tokens_per_s": tokens * len(steady) / sum(steady), "final_loss": loss,
+            "peak_memory_gb": peak_memory_gb(), "rank": trainer.dist.rank}
+
+
+def run_hf(s: dict, data: str) -> dict:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from shardlm.config import load_config
+    from shardlm.data import GlobalSampler, prepare_data
+    from shardlm.dist import Dist, LaunchInfo
+    from shardlm.tokenizer import load_tokenizer
+
+    cfg = load_config(None, shardlm_overrides(s, data, []))
+    tok = load_tokenizer("gpt2")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    train, _ = prepare_data(cfg.data, tok, Dist(LaunchInfo("single"), device))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    global_batch = s["batch"] * world
+    sampler = GlobalSampler(len(train), cfg.train.seed)
+    order = sampler.indices(0, global_batch * s["steps"])  # the same blocks, in the same order, as shardlm
+
+    class Blocks(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(order)
+
+        def __getitem__(self, i):
+            row = train.get([order[i]])[0]
+            return {"input_ids": row[:-1], "labels": row[:-1]}  # HF shifts labels inside the model
+
+    m = s["model"]
+    torch.manual_seed(cfg.train.seed)
+    config = GPT2Config(vocab_size=len(tok), n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, use_cache=False, **m)
+    model = GPT2LMHeadModel(config, attn_implementation="sdpa")
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.began = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.began)
+
+    targs = TrainingArguments(
+        output_dir="/tmp/hf-bench-run", per_device_train_batch_size=s["batch"], max_steps=s["steps"],
+        learning_rate=6e-4, warmup_steps=2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        lr_scheduler_type="cosine", logging_steps=1, save_strategy="no", report_to=[], dataloader_drop_last=True,
+        bf16=s["precision"] == "bf16", use_cpu=not torch.cuda.is_available(), seed=cfg.train.seed,
+        disable_tqdm=True, dataloader_num_workers=0, accelerator_config={"dispatch_batches": False},
+        **({"fsdp": "full_shard"} if world > 1 and torch.cuda.is_available() else {}))
+    trainer = Trainer(model=model, args=targs, train_dataset=Blocks(), callbacks=[Timer()])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    steady = times[s["warmup"]:]
+    tokens = global_batch * s["seq"]
+    return {"tokens_per_s": tokens * len(steady) / sum(steady), "final_loss": losses[-1] if losses else None,
+            "peak_memory_gb": peak_memory_gb(), "rank": int(os.environ.get("RANK", 0)),
+            "note": "HF Trainer on CPU with >1 rank is DDP (accelerate ignores FSDP on CPU)" if world > 1 else ""}
+
+
+def launch(side: str, args, extra: list[str]) -> dict:
+    script = [str(Path(__file__).resolve()), "--side", side, "--steps", str(args.steps)]
+    script += (["--gpu"] if args.gpu else []) + (["--batch", str(args.batch)] if args.batch else [])
+    script += ["--data", args.data] + [f"--extra={e}" for e in extra]
+    cmd = [sys.executable, *script] if args.nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", *script]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if not rows:
+        raise SystemExit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return rows[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--side", choices=["shardlm", "hf"])
+    p.add_argument("--gpu", action="store_true")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--batch", type=int, default=0)
+    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
+    p.add_argument("--extra", action="append", default=[], help="extra shardlm override, e.g. parallel.compile=true")
+    args = p.parse_args()
+    s = settings(args)
+    if args.side:
+        result = run_shardlm(s, args.data, args.extra) if args.side == "shardlm" else run_hf(s, args.data)
+        if result["rank"] == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        from shardlm.dist import shutdown
+
+        shutdown(0)
+        return
+    import torch
+
+    ours, theirs = launch("shardlm", args, args.extra), launch("hf", args, [])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    print(json.dumps({
+        "benchmark": "vs_hf_trainer", "date": datetime.date.today().isoformat(), "device": device,
+        "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "settings": s, "nproc": args.nproc,
+        "shardlm": ours, "hf_trainer": theirs,
+        "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "memory_ratio": theirs["peak_memory_gb"] / ours["peak_memory_gb"],
+    }))
+
+
+if __name__ == "__main__":
+    main()

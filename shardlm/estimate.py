@@ -1,0 +1,177 @@
+"""`shardlm estimate CONFIG`: per-rank peak memory before launching anything.
+
+Parameters, gradients and AdamW state follow from the parameter count (counted on the `meta` device) and
+the sharding strategy. Activations are what autograd saves per token per block: measured by running ONE
+block on a 32-token input with a saved-tensor hook (architecture-exact, GELU variants included), then
+scaled to the batch. The loss adds the logits (full or one chunk). Nothing model-sized is allocated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.config import Config
+from shardlm.model import empty_model, model_config, transformer_blocks
+from shardlm.parallel import DTYPES, STRATEGIES
+
+GB = 2**30
+
+
+@dataclass
+class Estimate:
+    parameters: int
+    components: dict[str, float]  # bytes
+    peak_bytes: float
+
+    def table(self) -> str:
+        rows = [f"  {k:<48} {v / GB:8.3f} GiB" for k, v in self.components.items()]
+        return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB"])
+
+
+def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, tokens: int = 32) -> float:
+    """Bytes autograd keeps per token for one block (weights excluded), measured on a real block."""
+    block = transformer_blocks(empty_model(hf_cfg, "meta"))[0].to_empty(device="cpu")
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    block.to(dtype).train()
+    weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta" and t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = torch.randn(1, tokens, hf_cfg.hidden_size, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    return sum(saved.values()) / tokens
+
+
+def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int | None = None) -> Estimate:
+    hf_cfg = model_config(cfg, tokenizer)
+    meta = empty_model(hf_cfg, "meta")
+    blocks = transformer_blocks(meta)
+    seen, total = set(), 0
+    for p in meta.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    per_block = sum(p.numel() for p in blocks[0].parameters())
+    root = total - per_block * len(blocks)
+    p = cfg.parallel
+    use_fsdp = world_size > 1 or p.cpu_offload
+    hybrid, reshard = STRATEGIES[p.sharding]
+    shard = (1 if p.sharding == "no_shard" else p.shard_size or local_world_size or world_size) if hybrid \
+        else world_size
+    shard = shard if use_fsdp else 1
+    compute = DTYPES[p.precision]
+    csize = torch.finfo(compute).bits // 8
+    B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
+    on_device = 0.0 if p.cpu_offload else 1.0
+    comp: dict[str, float] = {}
+    comp["parameters (fp32, sharded)"] = 4 * total / shard * on_device
+    comp["AdamW state (2 x fp32, sharded)"] = 8 * total / shard * on_device
+    if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
+        held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
+        both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
+        comp["gathered parameters"] = 0.0 if both_fp32_whole else (root + held * per_block) * csize
+    elif compute != torch.float32:
+        comp["autocast weight copies"] = total * csize
+    # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
+    # backward and the optimizer step (all gradients live, activations freed). The peak is the larger.
+    per_token = block_saved_bytes_per_token(hf_cfg, compute)
+    tokens = B * T
+    forward: dict[str, float] = {}
+    if p.activation_checkpointing:
+        forward["activations (block inputs + 1 block recompute)"] = tokens * (len(blocks) * C * csize + per_token)
+    else:
+        forward["activations"] = tokens * len(blocks) * per_token
+    forward["embeddings + final norm activations"] = tokens * C * csize * 3
+    chunk = cfg.train.loss_chunk_size
+    if chunk:
+        rows = min(chunk, tokens)
+        forward["loss: one chunk buffer + head/hidden grads"] = rows * V * (4 + (csize if csize != 4 else 0)) \
+            + V * C * 4 + tokens * C * csize
+    else:
+        forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
+    grads = 4 * total / shard * on_device + (2 * per_block * 4 if use_fsdp and shard > 1 else 0)
+    if sum(forward.values()) >= grads:
+        comp.update(forward)
+    else:
+        comp["gradients (fp32, sharded; peak at the optimizer step)"] = grads
+    comp["batch and framework overhead"] = tokens * 8 * 2 + 16 * 2**20
+    peak = sum(comp.values())
+    return Estimate(total, comp, peak)
+
+
+def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
+    lines = []
+    for w in world_sizes:
+        est = estimate(cfg, tokenizer, w)
+        lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
+                     f"{cfg.parallel.precision}, AC {'on' if cfg.parallel.activation_checkpointing else 'off'}, "
+                     f"loss chunk {cfg.train.loss_chunk_size or 'off'}; {est.parameters / 1e6:.1f}M parameters")
+        lines.append(est.table())
+    return "\n".join(lines)
+
+
+def round_up(x: float, to: int) -> int:
+    return int(math.ceil(x / to) * to)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held between steps on this rank: parameter shards, buffers and optimizer state."""
+    storages: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        local = _local(t)
+        if local.device.type != "meta":
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def measure_step_peak(trainer) -> int:
+    """Peak bytes allocated on this rank during one training step.
+
+    On CUDA: torch.cuda.max_memory_allocated. On CPU (Linux), no allocator keeps statistics, so: make glibc
+    serve every large block with mmap (freed memory goes straight back to the OS), reset the kernel's
+    peak-RSS counter, run the step, and add the peak RSS growth to what was resident before it.
+    """
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.train_step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    import ctypes
+    import gc
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped (and unmapped on free)
+    gc.collect()
+    libc.malloc_trim(0)
+    base = resident_bytes(trainer.model, trainer.run.optimizer)
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+    trainer.train_step()
+    return base + (_status_kb("VmHWM") - before) * 1024
