@@ -102,7 +102,8 @@ def run_hf(s: dict, data: str) -> dict:
     torch.manual_seed(cfg.train.seed)
     config = GPT2Config(vocab_size=len(tok), n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, use_cache=False, **m)
-    model = GPT2LMHeadModel(config, attn_implementation="sdpa")
+    config._attn_implementation = "sdpa"
+    model = GPT2LMHeadModel(config)
     times: list[float] = []
 
     class Timer(TrainerCallback):

@@ -98,8 +98,7 @@ def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, total_s
             seen.add(id(p))
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **fused)
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
 
     def lr_factor(step: int) -> float:
         if step < t.warmup_steps:

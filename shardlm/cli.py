@@ -11,10 +11,12 @@ import traceback
 from shardlm import ShardlmError, __version__
 
 
-def _split_config(rest: list[str]) -> tuple[str | None, list[str]]:
-    if rest and "=" not in rest[0]:
-        return rest[0], rest[1:]
-    return None, rest
+def _split_config(rest: list[str]) -> tuple[list[str], list[str]]:
+    """Leading arguments without `=` are config files (later ones win); the rest are overrides."""
+    files = []
+    while rest and "=" not in rest[0]:
+        files, rest = [*files, rest[0]], rest[1:]
+    return files, rest
 
 
 def launch_torchrun(args: argparse.Namespace, rest: list[str]) -> int:
@@ -85,6 +87,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from shardlm.config import load_config
+    from shardlm.dist import detect_launch
+    from shardlm.tune import report, tune
+
+    config, overrides = _split_config(args.rest)
+    cfg = load_config(config, overrides)
+    points = tune(cfg, args.budget_gb, args.steps, args.max_batch)
+    if detect_launch(launcher=cfg.parallel.launcher).rank == 0:
+        print(report(points, Path(args.out or Path(cfg.out_dir) / "tuned.yaml")))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardlm", description="Train GPT-2-family models with PyTorch FSDP2.")
     p.add_argument("--version", action="version", version=f"shardlm {__version__}")
@@ -124,6 +141,13 @@ def parser() -> argparse.ArgumentParser:
     es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
                     help="comma-separated world sizes to estimate for (default 1,2,4,8)")
     es.add_argument("rest", nargs="*", help="optional config file, then key=value overrides")
+
+    tu = add("tune", cmd_tune, "find the largest micro-batch and fastest FSDP setting: shardlm tune CONFIG")
+    tu.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (required on CPU)")
+    tu.add_argument("--steps", type=int, default=3, help="timed steps per feasible point")
+    tu.add_argument("--max-batch", type=int, default=256)
+    tu.add_argument("--out", default=None, help="YAML file for the best setting (default OUT_DIR/tuned.yaml)")
+    tu.add_argument("rest", nargs="*", help="optional config file, then key=value overrides")
 
     pl = add("plot", cmd_plot, "plot metrics of one or more run dirs to PNG files")
     pl.add_argument("runs", nargs="+")

@@ -171,23 +171,26 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return parsed
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file <- overrides, type-checked; then cross-field validation."""
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ShardlmError(f"config file '{path}' not found. Pass a YAML file (see configs/) or none.")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ShardlmError(f"config file '{path}' is not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ShardlmError(f"config file '{path}' must hold a mapping of sections, not {type(tree).__name__}")
+    _check_keys(tree, str(path))
+    return _flatten(tree)
+
+
+def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file(s), later ones winning <- overrides, type-checked; then cross-field validation."""
     values: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ShardlmError(f"config file '{path}' not found. Pass a YAML file (see configs/) or none.")
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ShardlmError(f"config file '{path}' is not valid YAML: {e}") from None
-        if not isinstance(tree, dict):
-            raise ShardlmError(f"config file '{path}' must hold a mapping of sections, not {type(tree).__name__}")
-        _check_keys(tree, str(path))
-        values.update(_flatten(tree))
+    for one in [] if path is None else path if isinstance(path, list) else [path]:
+        values.update(_read_yaml(Path(one)))
     cli = parse_overrides(overrides or [])
-    _check_keys({k: v for k, v in cli.items()}, "the command line")
+    _check_keys(dict(cli), "the command line")
     values.update(cli)
     return build_config(values)
 

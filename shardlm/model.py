@@ -30,7 +30,7 @@ class CausalLM(nn.Module):
         hidden = self.hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
         return linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
-                                    bias=getattr(head, "bias", None))
+                                    bias=getattr(head, "bias", None), with_accuracy=not self.training)
 
 
 def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:

@@ -56,25 +56,23 @@ class Trainer:
             return batch.pin_memory().to(self.device, non_blocking=True)
         return batch
 
-    def forward_backward_step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_backward_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sum of token losses of this micro-batch (detached); gradients accumulate in the parameters."""
         with self.autocast():
-            loss_sum, correct = self.model(tokens[:, :-1], tokens[:, 1:])
+            loss_sum, _ = self.model(tokens[:, :-1], tokens[:, 1:])
         loss = loss_sum / (tokens.shape[0] * self.seq_len * self.accum)  # mean over this rank's step tokens
         (self.scaler.scale(loss) if self.scaler else loss).backward()
-        return loss_sum.detach(), correct
+        return loss_sum.detach()
 
     def train_step(self) -> dict:
         self.model.train()
         opt = self.run.optimizer
         loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device, dtype=torch.int64)
         for m in range(self.accum):
             start = micro_batch_position(self.position, m, self.dist.rank, self.dist.world_size, self.batch)
             tokens = self._batch(self.run.train, self.sampler.indices(start, self.batch))
             set_gradient_sync(self.model, m == self.accum - 1)
-            ls, c = self.forward_backward_step(tokens)
-            loss_sum += ls
-            correct += c
+            loss_sum += self.forward_backward_step(tokens)
         if self.scaler:
             self.scaler.unscale_(opt)
         max_norm = self.cfg.train.grad_clip or float("inf")
@@ -95,7 +93,7 @@ class Trainer:
             self.run.scheduler.step()
         self.step += 1
         self.position += self.global_batch
-        return {"loss_sum": loss_sum, "correct": correct, "grad_norm": grad_norm, "finite": finite}
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite}
 
     def _inject_nan(self) -> bool:
         """Test hook: SHARDLM_TEST_NAN_STEPS=3,4 makes those steps non-finite."""
@@ -137,13 +135,13 @@ class Trainer:
         eta = Eta(total)
         tokens_per_step = self.global_batch * self.seq_len
         timer, interval_time, interval_steps = StepTimer(), 0.0, 0
-        acc_loss = torch.zeros(2, device=self.device, dtype=torch.float64)
+        acc_loss = torch.zeros(1, device=self.device, dtype=torch.float64)
         last_val: dict | None = None
         start_wall = time.time()
         evals_left = lambda: (total - self.step) // t.eval_every if t.eval_every else 0  # noqa: E731
         while self.step < total and not self.stop_requested:
             out = self.train_step()
-            acc_loss += torch.stack([out["loss_sum"].double(), out["correct"].double()])
+            acc_loss += out["loss_sum"].double()
             _test_signal_hook(self.step, self.dist.rank)
             seconds = timer.lap()
             eta.add_step(seconds)
@@ -159,9 +157,9 @@ class Trainer:
             if self.step % t.log_every == 0 or self.step == total:
                 self.dist.all_reduce_sum(acc_loss)
                 denom = interval_steps * tokens_per_step
-                loss, acc = (acc_loss[0] / denom).item(), (acc_loss[1] / denom).item()
+                loss = (acc_loss[0] / denom).item()
                 tps = tokens_per_step * interval_steps / max(interval_time, 1e-9)
-                record = {"step": self.step, "split": "train", "loss": loss, "accuracy": acc,
+                record = {"step": self.step, "split": "train", "loss": loss,
                           "lr": run.scheduler.get_last_lr()[0], "grad_norm": out["grad_norm"],
                           "tokens": self.position * self.seq_len, "tokens_per_s": tps,
                           "mfu": (self.flops_per_token * tps / (self.peak_flops * d.world_size)

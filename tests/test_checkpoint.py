@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, records, shardlm_cli, tiny
 
+from conftest import ROOT, records, shardlm_cli, tiny
 from shardlm.checkpoint import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import shardlm_cli, tiny
 
+from conftest import shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.metrics import Eta

@@ -3,8 +3,8 @@ loss against the plain one."""
 
 import pytest
 import torch
-from conftest import tiny
 
+from conftest import tiny
 from shardlm.build import build
 from shardlm.config import load_config
 from shardlm.estimate import estimate, measure_step_peak

@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+
 from conftest import ROOT, losses, records, shardlm_cli, tiny
 
 

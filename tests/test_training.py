@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, losses, records, shardlm_cli, tiny
 
+from conftest import ROOT, losses, records, shardlm_cli, tiny
 from shardlm.build import build
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
