@@ -35,6 +35,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def gpu_utilization(device: torch.device) -> dict[str, float]:
+    """GPU utilization (%) and used memory (GB) from NVML, when nvidia-ml-py is installed (`shardlm[gpu]`)."""
+    if device.type != "cuda":
+        return {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return {"gpu_util": float(util.gpu), "gpu_mem_used_gb": mem.used / 1e9}
+    except Exception:  # noqa: BLE001 - no NVML, no driver access: the metric is optional
+        return {}
+
+
 class MetricsLog:
     """`metrics.jsonl` (one flushed line per record, so it can be tailed) and TensorBoard."""
 
@@ -119,7 +135,7 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stdout,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
 
     def update(self, step: int, fields: dict[str, str]) -> None:
         if not self.enabled:

@@ -15,7 +15,8 @@ PANELS = [
     ("val_accuracy.png", "Validation next-token accuracy", "accuracy", [("val", "accuracy")], "step", False),
     ("learning_rate.png", "Learning rate", "lr", [("train", "lr")], "step", False),
     ("throughput.png", "Throughput", "tokens/s", [("train", "tokens_per_s")], "step", False),
-    ("memory.png", "Peak memory", "GB", [("train", "peak_mem_gb")], "step", False),
+    ("memory.png", "Peak memory", "GB", [("train", "peak_mem_gb"), ("train", "gpu_mem_used_gb")], "step", False),
+    ("gpu_utilization.png", "GPU utilization (NVML)", "%", [("train", "gpu_util")], "step", False),
 ]
 
 

@@ -17,6 +17,8 @@ def train(cfg: Config) -> dict:
     result = trainer.fit()
     if trainer.stop_requested:
         return result
+    run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}; "
+                   f"checkpoints: {run.out_dir / 'checkpoints'})")
     if cfg.checkpoint.export_final:
         from shardlm.export import export
 

@@ -19,6 +19,7 @@ from shardlm.metrics import (
     StepTimer,
     flops_per_token,
     fmt_time,
+    gpu_utilization,
     peak_flops,
     peak_memory_bytes,
 )
@@ -165,7 +166,8 @@ class Trainer:
                           "mfu": (self.flops_per_token * tps / (self.peak_flops * d.world_size)
                                   if self.peak_flops else None),
                           "peak_mem_gb": peak_memory_bytes(self.device) / 1e9,
-                          "skipped_steps": self.skipped_steps, "time_s": time.time() - start_wall}
+                          "skipped_steps": self.skipped_steps, "time_s": time.time() - start_wall,
+                          **gpu_utilization(self.device)}
                 log.write(record)
                 remaining = eta.remaining(self.step, evals_left() + 1, self._saves_left(total))
                 progress.update(self.step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}",
@@ -213,10 +215,15 @@ class Trainer:
 
     def describe(self) -> str:
         cfg, d, pl = self.cfg, self.dist, self.run.plan
-        strategy = cfg.parallel.sharding if pl.use_fsdp else "single device (no FSDP)"
-        return (f"shardlm: {d.info.launcher} launch, {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
-                f"device {self.device.type}, {strategy}, mesh {pl.mesh_shape if pl.use_fsdp else '-'}, "
-                f"{cfg.parallel.precision}\n"
+        if pl.use_fsdp:
+            where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
+                     f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}")
+        else:
+            where = "1 process, no FSDP (launch with --nproc N or torchrun to shard)"
+        extras = [n for n, on in (("activation checkpointing", cfg.parallel.activation_checkpointing),
+                                  ("compile", cfg.parallel.compile), ("cpu offload", cfg.parallel.cpu_offload)) if on]
+        return (f"shardlm: {where}; {self.device.type}, {cfg.parallel.precision}"
+                + (f", {', '.join(extras)}" if extras else "") + "\n"
                 f"model: {self.n_params / 1e6:.2f}M parameters; data: {len(self.run.train):,} train / "
                 f"{len(self.run.val):,} val blocks of {self.seq_len} tokens\n"
                 f"{self.run.total_steps} steps x {self.global_batch} blocks "

@@ -65,5 +65,5 @@ def test_mpi_style_launch_two_nodes_hybrid(corpus, cache_dir, tmp_path):
                                       text=True))
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
-    assert "mpi launch, 4 rank(s) on 2 node(s)" in outputs[0][0] and "mesh (2, 2)" in outputs[0][0]
+    assert "mpi launch: 4 rank(s) on 2 node(s)" in outputs[0][0] and "mesh (2, 2)" in outputs[0][0]
     assert losses(out) == pytest.approx(losses(single), rel=1e-4)
