@@ -54,7 +54,7 @@ class TrainConfig:
     batch_size: int = 32  # per-device micro-batch, in blocks of seq_len tokens
     grad_accum: int = 1  # micro-batches per optimizer step (no gradient sync until the last)
     max_steps: int | None = None  # wins over epochs when set; 0 = evaluate only
-    epochs: float = 1.5  # passes over data.train when max_steps is null; 0 = evaluate only
+    epochs: float = 2.0  # passes over data.train when max_steps is null; 0 = evaluate only
     lr: float = 3e-3  # peak learning rate (AdamW)
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20  # linear warmup, then cosine decay
