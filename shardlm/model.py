@@ -14,6 +14,7 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import Config
+from shardlm.hub import hub_kwargs, hub_reachable
 from shardlm.loss import linear_cross_entropy
 
 HUB_GPT2 = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
@@ -62,13 +63,21 @@ def model_config(cfg: Config, tokenizer):
                             use_cache=False, **dropout)
     else:
         try:
-            hf_cfg = AutoConfig.from_pretrained(str(Path(m.name).expanduser()) if is_local_model(m.name) else m.name,
-                                                trust_remote_code=m.trust_remote_code)
+            local = is_local_model(m.name)
+            hf_cfg = AutoConfig.from_pretrained(str(Path(m.name).expanduser()) if local else m.name,
+                                                trust_remote_code=m.trust_remote_code,
+                                                **({} if local else hub_kwargs()))
         except (OSError, ValueError) as e:
-            local = "is a folder without a config.json" if Path(m.name).exists() else "is not a local folder"
+            if Path(m.name).exists():
+                why = "it is a folder without a config.json"
+            elif hub_reachable():
+                why = ("it is not a local folder and the Hugging Face Hub did not serve it "
+                       f"({str(e).splitlines()[0][:160]})")
+            else:
+                why = ("it is not a local folder, the Hugging Face Hub cannot be reached and it is not in the "
+                       "local HF cache")
             raise ShardlmError(
-                f"cannot load model '{m.name}': it {local} and the Hugging Face Hub did not answer "
-                f"({str(e).splitlines()[0][:160]}). Offline, point model.name at a local folder holding "
+                f"cannot load model '{m.name}': {why}. Offline, point model.name at a local folder holding "
                 "config.json and model.safetensors (e.g. one saved with save_pretrained or `shardlm export`)."
             ) from None
         for key, value in dropout.items():
@@ -108,11 +117,12 @@ def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
     if cfg.model.name is None:
         torch.manual_seed(seed)
         return empty_model(hf_cfg, "cpu")
-    name = str(Path(cfg.model.name).expanduser()) if is_local_model(cfg.model.name) else cfg.model.name
+    local = is_local_model(cfg.model.name)
+    name = str(Path(cfg.model.name).expanduser()) if local else cfg.model.name
     try:
         return AutoModelForCausalLM.from_pretrained(name, config=hf_cfg, attn_implementation="sdpa",
                                                     trust_remote_code=cfg.model.trust_remote_code,
-                                                    dtype=torch.float32)
+                                                    dtype=torch.float32, **({} if local else hub_kwargs()))
     except (OSError, ValueError) as e:
         raise ShardlmError(f"cannot load weights of '{cfg.model.name}': {str(e).splitlines()[0][:200]}") from None
 

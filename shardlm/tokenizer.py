@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from shardlm import ShardlmError
+from shardlm.hub import hub_kwargs, hub_reachable
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED_GPT2 = ASSETS / "gpt2-tokenizer"
@@ -47,14 +48,20 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
 
     if spec == "bytes":
         return byte_tokenizer()
-    source = str(BUNDLED_GPT2) if spec in GPT2_NAMES else spec
+    source = BUNDLED_GPT2 if spec in GPT2_NAMES else Path(spec).expanduser()
+    local = source.exists()
+    source = str(source) if local else spec
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                            **({} if local else hub_kwargs()))
     except (OSError, ValueError) as e:
-        where = "the local folder" if Path(spec).exists() else "the Hugging Face Hub (it may be offline)"
+        if local or hub_reachable():
+            why = str(e).splitlines()[0]
+        else:
+            why = "not a local folder, the Hugging Face Hub cannot be reached and it is not in the local HF cache."
         raise ShardlmError(
-            f"cannot load tokenizer '{spec}' from {where}: {str(e).splitlines()[0]} "
-            f"Use model.tokenizer=gpt2 (bundled), bytes, or a local folder holding tokenizer files."
+            f"cannot load tokenizer '{spec}': {why} "
+            "Use model.tokenizer=gpt2 (bundled), bytes, or a local folder holding tokenizer files."
         ) from None
     if tok.eos_token is None:
         raise ShardlmError(f"tokenizer '{spec}' has no EOS token; shardlm separates documents with it.")

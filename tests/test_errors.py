@@ -46,10 +46,49 @@ def test_seq_len_beyond_pretrained_positions(tmp_path):
         model_config(cfg, byte_tokenizer())
 
 
-def test_unreachable_model_name_says_offline_and_local_folder():
+@pytest.fixture
+def hub_unreachable(monkeypatch, tmp_path):
+    """The Hub's endpoint is a closed local port and the HF cache an empty folder, on any machine."""
+    from huggingface_hub import constants
+
+    from shardlm.hub import hub_reachable
+
+    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    hub_reachable.cache_clear()
+    yield tmp_path / "hf-cache"
+    hub_reachable.cache_clear()
+
+
+def test_unreachable_model_name_says_offline_and_local_folder(hub_unreachable):
     cfg = load_config(None, ["model.name=no-such-org/no-such-model-xyz"])
-    with pytest.raises(ShardlmError, match="local folder"):
+    with pytest.raises(ShardlmError, match="Hub cannot be reached and it is not in the local HF cache.*local folder"):
         model_config(cfg, byte_tokenizer())
+
+
+def test_unreachable_hub_tokenizer_and_dataset(hub_unreachable):
+    from shardlm.data.sources import Source, iter_documents
+
+    with pytest.raises(ShardlmError, match="tokenizer 'no-org/tok': .*Hub cannot be reached.*model.tokenizer=gpt2"):
+        load_tokenizer("no-org/tok")
+    with pytest.raises(ShardlmError, match="Hub cannot be reached.*point data.train/data.val at local"):
+        next(iter_documents(Source("hf:wikitext", hf=("wikitext", None, "train"))))
+
+
+def test_hub_name_loads_from_the_local_hf_cache_offline(hub_unreachable):
+    """A model downloaded earlier (HF cache layout) loads by its hub name with no network."""
+    from transformers import GPT2Config
+
+    snapshot = hub_unreachable / "models--some-org--tiny-gpt2" / "snapshots" / ("0" * 40)
+    GPT2Config(vocab_size=257, n_positions=64, n_layer=1, n_embd=8, n_head=1).save_pretrained(snapshot)
+    byte_tokenizer().save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    tokenizer = load_tokenizer("some-org/tiny-gpt2")
+    cfg = load_config(None, ["model.name=some-org/tiny-gpt2", "data.seq_len=32"])
+    assert model_config(cfg, tokenizer).n_positions == 64
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardlm import ShardlmError
+from shardlm.hub import hub_reachable
 
 BUNDLED = {"shakespeare": Path(__file__).parent.parent / "assets" / "tinyshakespeare" / "input.txt"}
 SUFFIXES = (".txt", ".csv", ".jsonl", ".json")
@@ -136,6 +137,10 @@ def _iter_jsonl(path: Path, field: str) -> Iterator[tuple[str, bool]]:
 
 
 def _iter_hf(repo: str, config: str | None, split: str, field: str, rows_are_documents: bool):
+    if not hub_reachable():
+        raise ShardlmError(
+            f"cannot load Hugging Face dataset '{repo}': the Hugging Face Hub cannot be reached (streaming needs "
+            "it). Download it elsewhere and point data.train/data.val at local .txt/.jsonl files.")
     try:
         import datasets
 
