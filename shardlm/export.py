@@ -12,13 +12,23 @@ from shardlm import ShardlmError
 from shardlm.load import load_for_inference
 
 
+def _check_target(out: Path) -> None:
+    """Export replaces only an empty folder or an earlier export, never a folder of something else."""
+    if out.exists() and not out.is_dir():
+        raise ShardlmError(f"export target '{out}' is a file; give a folder.")
+    earlier_export = (out / "config.json").is_file() and any(
+        (out / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
+    if out.is_dir() and any(out.iterdir()) and not earlier_export:
+        raise ShardlmError(f"export target '{out}' is a folder that holds other files (not an earlier export); "
+                           "give a new or empty folder.")
+
+
 def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB") -> Path:
     from transformers import GenerationConfig
 
-    model, tokenizer, _cfg, _ckpt = load_for_inference(path)
     out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ShardlmError(f"export target '{out}' is a file; give a folder.")
+    _check_target(out)
+    model, tokenizer, _cfg, _ckpt = load_for_inference(path)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

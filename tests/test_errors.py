@@ -169,3 +169,36 @@ def test_plot_writes_pngs_and_overlays_runs(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     with pytest.raises(ShardlmError, match="no metrics.jsonl"):
         plot_runs([str(tmp_path)])
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "hf"
+    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=32, n_layer=1, n_embd=8, n_head=1)).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_export_never_replaces_a_file_or_a_foreign_folder(hf_folder, tmp_path):
+    from shardlm.export import export
+
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(ShardlmError, match="is a file; give a folder"):
+        export(hf_folder, tmp_path / "notes.txt")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("precious")
+    with pytest.raises(ShardlmError, match="holds other files .not an earlier export"):
+        export(hf_folder, tmp_path / "home")
+    assert (tmp_path / "notes.txt").read_text() == (tmp_path / "home" / "thesis.tex").read_text() == "precious"
+    export(hf_folder, tmp_path / "out")
+    export(hf_folder, tmp_path / "out")  # an earlier export is replaced
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_eval_of_an_export_needs_data(hf_folder):
+    from shardlm.evaluate import evaluate_path
+
+    with pytest.raises(ShardlmError, match="carries no data settings: pass data.val=PATH"):
+        evaluate_path(str(hf_folder), [])
