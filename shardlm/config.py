@@ -32,7 +32,7 @@ class ModelConfig:
     n_layer: int = 4  # transformer blocks (from scratch)
     n_head: int = 4  # attention heads (from scratch)
     n_embd: int = 192  # model width (from scratch)
-    n_positions: int = 256  # context length the model supports (from scratch)
+    n_positions: int | None = None  # context length (from scratch); None = data.seq_len, every position trained
     dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
     tokenizer: str = "bytes"  # "bytes", "gpt2" (bundled), a hub name or a local folder
     trust_remote_code: bool = False  # allow Hub models that ship their own code (off: safe by default)
@@ -256,7 +256,7 @@ def validate(cfg: Config) -> None:
         _positive("model.n_head", m.n_head)
         if m.n_embd % m.n_head:
             raise ShardlmError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}.")
-        if cfg.data.seq_len > m.n_positions:
+        if m.n_positions is not None and cfg.data.seq_len > m.n_positions:
             raise ShardlmError(
                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
                 f"lower data.seq_len or raise model.n_positions."

@@ -28,27 +28,43 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
 
 
 @torch.no_grad()
-def generate_text(hf_model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100,
-                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                  num_samples: int = 1) -> list[str]:
-    """Samples (prompt included); temperature 0 is greedy decoding."""
-    device = next(hf_model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
-    if ids.shape[1] == 0:
-        ids = torch.tensor([[tokenizer.eos_token_id]])
-    ids = ids.to(device)
-    limit = getattr(hf_model.config, "n_positions", getattr(hf_model.config, "max_position_embeddings", None))
-    if limit is not None:
-        max_new_tokens = max(0, min(max_new_tokens, limit - ids.shape[1]))
+def generate_tokens(hf_model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos: int,
+                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                    num_samples: int = 1) -> list[list[int]]:
+    """The new tokens of each sample, cut after its first EOS; temperature 0 is greedy decoding.
+
+    Past the model's context the window slides, as in nanoGPT: each round keeps the last half-context as
+    the prompt and continues with a fresh KV cache, so no position the model never trained is used.
+    """
+    context = getattr(hf_model.config, "n_positions", getattr(hf_model.config, "max_position_embeddings", None))
+    context = max(2, context or len(prompt_ids) + max_new_tokens)
     torch.manual_seed(seed)
     greedy = temperature <= 0
     sampling = {} if greedy else {"temperature": temperature, "top_k": top_k or None, "top_p": top_p}
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                            do_sample=not greedy, num_return_sequences=1 if greedy else num_samples,
-                            pad_token_id=tokenizer.eos_token_id, use_cache=True, **sampling)
-    if greedy and num_samples > 1:
-        out = out.repeat(num_samples, 1)
-    return [tokenizer.decode(row, skip_special_tokens=False) for row in out.tolist()]
+    out = torch.tensor([prompt_ids], device=next(hf_model.parameters()).device).repeat(1 if greedy else num_samples, 1)
+    remaining = max_new_tokens
+    while remaining > 0:
+        window = out if out.shape[1] < context else out[:, -(context // 2):]
+        steps = min(remaining, context - window.shape[1])
+        new = hf_model.generate(window, attention_mask=torch.ones_like(window), max_new_tokens=steps,
+                                do_sample=not greedy, pad_token_id=eos, eos_token_id=eos, use_cache=True,
+                                **sampling)[:, window.shape[1]:]
+        out, remaining = torch.cat([out, new], dim=1), remaining - steps
+        if (out[:, len(prompt_ids):] == eos).any(dim=1).all():
+            break
+    rows = [row[len(prompt_ids):] for row in out.tolist()]
+    rows = [row[:row.index(eos) + 1] if eos in row else row for row in rows]
+    return rows * num_samples if greedy else rows
+
+
+def generate_text(hf_model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100,
+                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                  num_samples: int = 1) -> list[str]:
+    """Samples, prompt included (see `generate_tokens`)."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
+    rows = generate_tokens(hf_model, ids, max_new_tokens, tokenizer.eos_token_id, temperature, top_k, top_p,
+                           seed, num_samples)
+    return [tokenizer.decode(ids + row, skip_special_tokens=False) for row in rows]
 
 
 def generate_from_path(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,

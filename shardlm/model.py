@@ -58,7 +58,7 @@ def model_config(cfg: Config, tokenizer):
     dropout = {"resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout}
     eos = tokenizer.eos_token_id
     if m.name is None:
-        hf_cfg = GPT2Config(vocab_size=len(tokenizer), n_positions=m.n_positions, n_embd=m.n_embd,
+        hf_cfg = GPT2Config(vocab_size=len(tokenizer), n_positions=m.n_positions or cfg.data.seq_len, n_embd=m.n_embd,
                             n_layer=m.n_layer, n_head=m.n_head, bos_token_id=eos, eos_token_id=eos,
                             use_cache=False, **dropout)
     else:
