@@ -2,6 +2,7 @@
 torchrun --max-restarts, and non-finite steps skipped and counted."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -66,4 +67,19 @@ def test_mpi_style_launch_two_nodes_hybrid(corpus, cache_dir, tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     assert "mpi launch: 4 rank(s) on 2 node(s)" in outputs[0][0] and "mesh (2, 2)" in outputs[0][0]
+    assert losses(out) == pytest.approx(losses(single), rel=1e-4)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (CI installs Debian's mpich)")
+def test_real_mpiexec_launch_matches_one_process(corpus, cache_dir, tmp_path):
+    """A real `mpiexec -n 2` (MPICH/hydra sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID): detected, trained, same losses."""
+    single = tmp_path / "single"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, single)])
+    out = tmp_path / "mpi"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "shardlm", "train",
+           *tiny(corpus, cache_dir, out, **{"train.batch_size": 4})]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpi launch: 2 rank(s) on 1 node(s)" in proc.stdout
     assert losses(out) == pytest.approx(losses(single), rel=1e-4)
