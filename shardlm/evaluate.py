@@ -19,6 +19,7 @@ from shardlm.config import build_config, parse_overrides, to_dict
 from shardlm.data import TokenBlocks
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
+from shardlm.model import context_length
 
 
 @torch.no_grad()
@@ -82,7 +83,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
     tokens = load_split(spec, cfg.data, tokenizer, single, "validation")
     if cfg.data.val is None:  # the held-out tail of the training data, as during training
         tokens = tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
-    context = getattr(model.config, "n_positions", getattr(model.config, "max_position_embeddings", 1024))
+    context = context_length(model.config) or 1024
     chunk = cfg.train.loss_chunk_size
     if stride:
         result = evaluate_stride(model, tokens, context, stride, chunk)

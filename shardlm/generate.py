@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardlm.model import context_length, empty_model
+
 
 def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> nn.Module | None:
     """A plain HF model with the trained weights, on rank 0 (None elsewhere).
@@ -12,8 +14,6 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
     Shards stream to rank 0's CPU one tensor at a time (no GPU ever holds the whole model).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from shardlm.model import empty_model
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options) if dist.distributed or hasattr(model, "reshard") \
@@ -36,8 +36,7 @@ def generate_tokens(hf_model: nn.Module, prompt_ids: list[int], max_new_tokens: 
     Past the model's context the window slides, as in nanoGPT: each round keeps the last half-context as
     the prompt and continues with a fresh KV cache, so no position the model never trained is used.
     """
-    context = getattr(hf_model.config, "n_positions", getattr(hf_model.config, "max_position_embeddings", None))
-    context = max(2, context or len(prompt_ids) + max_new_tokens)
+    context = max(2, context_length(hf_model.config) or len(prompt_ids) + max_new_tokens)
     torch.manual_seed(seed)
     greedy = temperature <= 0
     sampling = {} if greedy else {"temperature": temperature, "top_k": top_k or None, "top_p": top_p}

@@ -46,6 +46,11 @@ def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:
     return biggest
 
 
+def context_length(hf_cfg) -> int | None:
+    """Positions the model has (GPT-2 names it n_positions, most other HF models max_position_embeddings)."""
+    return getattr(hf_cfg, "n_positions", getattr(hf_cfg, "max_position_embeddings", None))
+
+
 def is_local_model(name: str) -> bool:
     return Path(name).expanduser().is_dir()
 
@@ -88,7 +93,7 @@ def model_config(cfg: Config, tokenizer):
     if vocab is not None and len(tokenizer) > vocab:
         raise ShardlmError(f"tokenizer '{m.tokenizer}' has {len(tokenizer)} tokens but the model's vocabulary "
                            f"holds {vocab}: use the model's own tokenizer (model.tokenizer).")
-    positions = getattr(hf_cfg, "n_positions", getattr(hf_cfg, "max_position_embeddings", None))
+    positions = context_length(hf_cfg)
     if positions is not None and cfg.data.seq_len > positions:
         raise ShardlmError(f"data.seq_len={cfg.data.seq_len} exceeds the model's {positions} positions; "
                            f"set data.seq_len<={positions}.")
