@@ -9,16 +9,14 @@ import shutil
 from pathlib import Path
 
 from shardlm import ShardlmError
-from shardlm.load import load_for_inference
+from shardlm.load import is_hf_folder, load_for_inference
 
 
 def _check_target(out: Path) -> None:
     """Export replaces only an empty folder or an earlier export, never a folder of something else."""
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"export target '{out}' is a file; give a folder.")
-    earlier_export = (out / "config.json").is_file() and any(
-        (out / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json"))
-    if out.is_dir() and any(out.iterdir()) and not earlier_export:
+    if out.is_dir() and any(out.iterdir()) and not is_hf_folder(out):
         raise ShardlmError(f"export target '{out}' is a folder that holds other files (not an earlier export); "
                            "give a new or empty folder.")
 

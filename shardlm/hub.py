@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
+from pathlib import Path
 from urllib.parse import urlparse
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -30,6 +31,7 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def hub_kwargs() -> dict:
-    """Extra `from_pretrained` arguments: the local HF cache only, when the Hub is unreachable."""
-    return {} if hub_reachable() else {"local_files_only": True}
+def hub_kwargs(source: str) -> dict:
+    """Extra `from_pretrained` arguments for `source` (a local folder or a hub name): for a hub name while
+    the Hub is unreachable, the local HF cache only."""
+    return {} if Path(source).exists() or hub_reachable() else {"local_files_only": True}

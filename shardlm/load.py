@@ -7,6 +7,7 @@ read into a plain CPU model: DCP reassembles full tensors from however many shar
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         cfg, ckpt = None, None
     else:
-        ckpt = resolve_checkpoint(path, log=lambda m: print(m, file=__import__("sys").stderr))
+        ckpt = resolve_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
         model = load_checkpoint_model(ckpt)
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))
         cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))

@@ -51,8 +51,9 @@ def context_length(hf_cfg) -> int | None:
     return getattr(hf_cfg, "n_positions", getattr(hf_cfg, "max_position_embeddings", None))
 
 
-def is_local_model(name: str) -> bool:
-    return Path(name).expanduser().is_dir()
+def model_source(name: str) -> str:
+    """A local folder (user paths expanded) or, failing that, the hub name as given."""
+    return str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name
 
 
 def model_config(cfg: Config, tokenizer):
@@ -68,10 +69,8 @@ def model_config(cfg: Config, tokenizer):
                             use_cache=False, **dropout)
     else:
         try:
-            local = is_local_model(m.name)
-            hf_cfg = AutoConfig.from_pretrained(str(Path(m.name).expanduser()) if local else m.name,
-                                                trust_remote_code=m.trust_remote_code,
-                                                **({} if local else hub_kwargs()))
+            source = model_source(m.name)
+            hf_cfg = AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code, **hub_kwargs(source))
         except (OSError, ValueError) as e:
             if Path(m.name).exists():
                 why = "it is a folder without a config.json"
@@ -122,12 +121,11 @@ def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
     if cfg.model.name is None:
         torch.manual_seed(seed)
         return empty_model(hf_cfg, "cpu")
-    local = is_local_model(cfg.model.name)
-    name = str(Path(cfg.model.name).expanduser()) if local else cfg.model.name
+    source = model_source(cfg.model.name)
     try:
-        return AutoModelForCausalLM.from_pretrained(name, config=hf_cfg, attn_implementation="sdpa",
+        return AutoModelForCausalLM.from_pretrained(source, config=hf_cfg, attn_implementation="sdpa",
                                                     trust_remote_code=cfg.model.trust_remote_code,
-                                                    dtype=torch.float32, **({} if local else hub_kwargs()))
+                                                    dtype=torch.float32, **hub_kwargs(source))
     except (OSError, ValueError) as e:
         raise ShardlmError(f"cannot load weights of '{cfg.model.name}': {str(e).splitlines()[0][:200]}") from None
 

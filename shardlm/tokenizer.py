@@ -48,14 +48,12 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
 
     if spec == "bytes":
         return byte_tokenizer()
-    source = BUNDLED_GPT2 if spec in GPT2_NAMES else Path(spec).expanduser()
-    local = source.exists()
-    source = str(source) if local else spec
+    folder = BUNDLED_GPT2 if spec in GPT2_NAMES else Path(spec).expanduser()
+    source = str(folder) if folder.exists() else spec
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
-                                            **({} if local else hub_kwargs()))
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **hub_kwargs(source))
     except (OSError, ValueError) as e:
-        if local or hub_reachable():
+        if folder.exists() or hub_reachable():
             why = str(e).splitlines()[0]
         else:
             why = "not a local folder, the Hugging Face Hub cannot be reached and it is not in the local HF cache."
