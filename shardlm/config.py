@@ -267,6 +267,11 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def to_flat_dict(cfg: Config) -> dict[str, Any]:
+    """`{"train.lr": ..., "out_dir": ...}`: what `build_config` takes back, with overrides merged in."""
+    return _flatten(to_dict(cfg))
+
+
 def save_config(cfg: Config, path: str | Path) -> None:
     tmp = Path(str(path) + ".tmp")
     tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from shardlm import config as config_module
-from shardlm.config import KEY_ALIASES, Config, _flatten, all_keys, to_dict
+from shardlm.config import KEY_ALIASES, Config, all_keys, to_flat_dict
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 
@@ -28,7 +28,7 @@ def _comments() -> dict[str, str]:
 
 
 def config_reference() -> str:
-    defaults = _flatten(to_dict(Config()))
+    defaults = to_flat_dict(Config())
     public = {v: k for k, v in KEY_ALIASES.items()}
     comments = _comments()
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from shardlm import ShardlmError
-from shardlm.config import build_config, parse_overrides, to_dict
+from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
@@ -71,8 +71,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, saved, _ckpt = load_for_inference(path, device)
-    flat = {f"{s}.{k}": v for s, sec in to_dict(inference_config(saved)).items() if isinstance(sec, dict)
-            for k, v in sec.items()}
+    flat = to_flat_dict(inference_config(saved))
     flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
     flat.update(parse_overrides(overrides))
     cfg = build_config({k: v for k, v in flat.items() if not k.startswith("model.")})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import yaml
 
 from shardlm import ShardlmError
-from shardlm.config import Config, build_config, to_dict
+from shardlm.config import Config, build_config, to_flat_dict
 
 GB = 2**30
 
@@ -46,7 +47,7 @@ def settings_grid(cfg: Config, world_size: int, on_gpu: bool) -> list[dict[str, 
 
 
 def _with(cfg: Config, setting: dict[str, object], batch: int) -> Config:
-    flat = {f"{s}.{k}": v for s, sec in to_dict(cfg).items() if isinstance(sec, dict) for k, v in sec.items()}
+    flat = to_flat_dict(cfg)
     flat.update(setting)
     flat.update({"train.batch_size": batch, "train.grad_accum": 1, "train.max_steps": 10 ** 6,
                  "checkpoint.resume": "none", "checkpoint.save_final": False, "log.tensorboard": False,
@@ -126,9 +127,11 @@ def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 
     budget = budget_gb * GB if budget_gb else None
     log = print if info.rank == 0 else (lambda *_: None)
     points = []
-    for setting in settings_grid(cfg, info.world_size, on_gpu):
-        log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
-        points.append(search(cfg, setting, budget, steps, max_batch, log))
+    with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as scratch:
+        cfg = build_config({**to_flat_dict(cfg), "out_dir": scratch})  # trials never write into a run's out_dir
+        for setting in settings_grid(cfg, info.world_size, on_gpu):
+            log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
+            points.append(search(cfg, setting, budget, steps, max_batch, log))
     return points
 
 

@@ -40,14 +40,14 @@ def tiny(corpus: Path, cache_dir: Path, out_dir: Path, **extra) -> list[str]:
 
 
 def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeout: int = 300,
-                check: bool = True) -> subprocess.CompletedProcess:
+                check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     if nproc:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "shardlm", *args]
     else:
         cmd = [sys.executable, "-m", "shardlm", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
