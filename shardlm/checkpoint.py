@@ -148,9 +148,10 @@ class Checkpointer:
 
     def should_stop(self) -> bool:
         """Did any rank get SIGTERM/SIGINT? All ranks must agree on the step they stop at."""
+        if not self.dist.distributed:
+            return self.signal_received  # no device tensor, so no host-device sync every step
         flag = torch.tensor([1.0 if self.signal_received else 0.0], device=self.dist.device)
-        if self.dist.distributed:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     # ---- save ----------------------------------------------------------------------------------------

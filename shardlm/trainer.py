@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import time
 
 import numpy as np
@@ -233,9 +235,6 @@ class Trainer:
 def _test_signal_hook(step: int, rank: int) -> None:
     """Test hooks. SHARDLM_TEST_SIGTERM_AT=STEP sends SIGTERM to rank 0 alone after that step;
     SHARDLM_TEST_DIE_AT=STEP:RANK kills that rank with SIGKILL, on a job's first attempt only."""
-    import os
-    import signal
-
     if rank == 0 and os.environ.get("SHARDLM_TEST_SIGTERM_AT") == str(step):
         os.kill(os.getpid(), signal.SIGTERM)
     if os.environ.get("SHARDLM_TEST_DIE_AT") == f"{step}:{rank}" and \
