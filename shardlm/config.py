@@ -245,6 +245,9 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("parallel.shard_size", cfg.parallel.shard_size, allow_zero=True)
+    if cfg.checkpoint.export_final and not cfg.checkpoint.save_final:
+        raise ShardlmError("checkpoint.export_final=true exports the final checkpoint: it needs "
+                           "checkpoint.save_final=true (or run `shardlm export` on a checkpoint later).")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ShardlmError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
     if not 0.0 <= cfg.model.dropout < 1.0:

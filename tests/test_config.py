@@ -59,6 +59,7 @@ def test_yaml_then_overrides(tmp_path):
         (["train.batch_size=0"], ["train.batch_size", "> 0"]),
         (["train.batch_size"], ["key=value"]),
         (["data.seq_len=512", "model.n_positions=256"], ["data.seq_len=512", "n_positions"]),
+        (["checkpoint.export_final=true", "checkpoint.save_final=false"], ["export_final", "save_final=true"]),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, words):
