@@ -43,7 +43,7 @@ def trial_hf(args) -> int:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from shardlm.estimate import _status_kb, resident_bytes
+    from shardlm.estimate import StepPeak
 
     torch.manual_seed(0)
     config = GPT2Config(n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
@@ -52,29 +52,18 @@ def trial_hf(args) -> int:
     data = [{"input_ids": torch.randint(0, 50257, (args.seq,))} for _ in range(2 * args.batch)]
     for row in data:
         row["labels"] = row["input_ids"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = {}
 
     class Measure(TrainerCallback):
         def on_step_begin(self, targs, state, control, **kw):
             if state.global_step == 1:  # the second step: AdamW state exists
-                import ctypes
-                import gc
-
-                libc = ctypes.CDLL("libc.so.6")
-                libc.mallopt(-3, 64 * 1024)
-                gc.collect()
-                libc.malloc_trim(0)
-                if torch.cuda.is_available():
-                    torch.cuda.reset_peak_memory_stats()
-                peak["base"] = resident_bytes(model, kw["optimizer"])
-                peak["rss"] = _status_kb("VmRSS")
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
+                peak["meter"] = StepPeak(model, kw["optimizer"], device)
+                peak["meter"].start()
 
         def on_step_end(self, targs, state, control, **kw):
             if state.global_step == 2:
-                peak["bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else \
-                    peak["base"] + (_status_kb("VmHWM") - peak["rss"]) * 1024
+                peak["bytes"] = peak["meter"].stop()
 
     targs = TrainingArguments(output_dir="/tmp/hf-maxbatch", per_device_train_batch_size=args.batch, max_steps=2,
                               save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),

@@ -148,30 +148,46 @@ def _status_kb(field: str) -> int:
     raise OSError(f"{field} not in /proc/self/status")
 
 
-def measure_step_peak(trainer) -> int:
-    """Peak bytes allocated on this rank during one training step.
+class StepPeak:
+    """Peak bytes allocated on this rank between `start()` and `stop()` (one training step).
 
     On CUDA: torch.cuda.max_memory_allocated. On CPU (Linux), no allocator keeps statistics, so: make glibc
     serve every large block with mmap (freed memory goes straight back to the OS), reset the kernel's
-    peak-RSS counter, run the step, and add the peak RSS growth to what was resident before it.
+    peak-RSS counter, and add the peak RSS growth to what was resident (parameters, buffers, optimizer
+    state) before the step.
     """
-    device = trainer.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        trainer.train_step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-    import ctypes
-    import gc
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped (and unmapped on free)
-    gc.collect()
-    libc.malloc_trim(0)
-    base = resident_bytes(trainer.model, trainer.run.optimizer)
-    before = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.base = self.rss_before = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        import ctypes
+        import gc
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped (and unmapped on free)
+        gc.collect()
+        libc.malloc_trim(0)
+        self.base = resident_bytes(self.model, self.optimizer)
+        self.rss_before = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return self.base + (_status_kb("VmHWM") - self.rss_before) * 1024
+
+
+def measure_step_peak(trainer) -> int:
+    """Peak bytes allocated on this rank during one training step (see `StepPeak`)."""
+    peak = StepPeak(trainer.model, trainer.run.optimizer, trainer.device)
+    peak.start()
     trainer.train_step()
-    return base + (_status_kb("VmHWM") - before) * 1024
+    return peak.stop()
