@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,12 @@ import time
 
 
 def rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    """This process's peak RSS so far, GiB."""
+    import torch
+
+    from shardlm.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(torch.device("cpu")) / 2**30
 
 
 def worker(out_dir: str, mode: str) -> None:

@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -37,9 +36,9 @@ def settings(args) -> dict:
 def peak_memory_gb() -> float:
     import torch
 
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    from shardlm.metrics import peak_memory_bytes
+
+    return peak_memory_bytes(torch.device("cuda" if torch.cuda.is_available() else "cpu")) / 2**30
 
 
 def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
