@@ -39,6 +39,14 @@ def tiny(corpus: Path, cache_dir: Path, out_dir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in values.items()]
 
 
+def byte_gpt2_config(**overrides):
+    """A tiny GPT-2 config over the byte vocabulary (256 bytes + EOS id 256)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(**{"vocab_size": 257, "n_positions": 64, "n_layer": 1, "n_embd": 8, "n_head": 1,
+                         "bos_token_id": 256, "eos_token_id": 256, **overrides})
+
+
 def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeout: int = 300,
                 check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     if nproc:

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import shardlm_cli, tiny
+from conftest import byte_gpt2_config, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.metrics import Eta
@@ -29,18 +29,14 @@ def test_infeasible_parallel_plans(overrides, world, local, message):
 
 
 def test_tokenizer_larger_than_model_vocab(tmp_path):
-    from transformers import GPT2Config
-
-    GPT2Config(vocab_size=257, n_layer=1, n_embd=8, n_head=1).save_pretrained(tmp_path)
+    byte_gpt2_config(n_positions=1024).save_pretrained(tmp_path)
     cfg = load_config(None, [f"model.name={tmp_path}", "model.tokenizer=gpt2"])
     with pytest.raises(ShardlmError, match="50257 tokens but the model's vocabulary holds 257"):
         model_config(cfg, load_tokenizer("gpt2"))
 
 
 def test_seq_len_beyond_pretrained_positions(tmp_path):
-    from transformers import GPT2Config
-
-    GPT2Config(vocab_size=257, n_positions=64, n_layer=1, n_embd=8, n_head=1).save_pretrained(tmp_path)
+    byte_gpt2_config().save_pretrained(tmp_path)
     cfg = load_config(None, [f"model.name={tmp_path}", "data.seq_len=128"])
     with pytest.raises(ShardlmError, match="data.seq_len=128 exceeds the model's 64 positions"):
         model_config(cfg, byte_tokenizer())
@@ -79,10 +75,8 @@ def test_unreachable_hub_tokenizer_and_dataset(hub_unreachable):
 
 def test_hub_name_loads_from_the_local_hf_cache_offline(hub_unreachable):
     """A model downloaded earlier (HF cache layout) loads by its hub name with no network."""
-    from transformers import GPT2Config
-
     snapshot = hub_unreachable / "models--some-org--tiny-gpt2" / "snapshots" / ("0" * 40)
-    GPT2Config(vocab_size=257, n_positions=64, n_layer=1, n_embd=8, n_head=1).save_pretrained(snapshot)
+    byte_gpt2_config().save_pretrained(snapshot)
     byte_tokenizer().save_pretrained(snapshot)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
@@ -173,10 +167,10 @@ def test_plot_writes_pngs_and_overlays_runs(tmp_path):
 
 @pytest.fixture
 def hf_folder(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     folder = tmp_path / "hf"
-    GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=32, n_layer=1, n_embd=8, n_head=1)).save_pretrained(folder)
+    GPT2LMHeadModel(byte_gpt2_config(n_positions=32)).save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
 

@@ -2,17 +2,17 @@
 
 import torch
 
+from conftest import byte_gpt2_config
 from shardlm.generate import generate_tokens
 
 NEVER = -1  # an EOS id no model emits
 
 
 def tiny_model(n_positions: int = 16):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=n_positions, n_layer=1, n_embd=32, n_head=2,
-                                      bos_token_id=256, eos_token_id=256)).eval()
+    return GPT2LMHeadModel(byte_gpt2_config(n_positions=n_positions, n_embd=32, n_head=2)).eval()
 
 
 def test_generation_slides_past_the_context():

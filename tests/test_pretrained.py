@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import records, shardlm_cli, tiny
+from conftest import byte_gpt2_config, records, shardlm_cli, tiny
 from shardlm.checkpoint import is_complete, list_checkpoints
 from shardlm.data import GlobalSampler
 from shardlm.tokenizer import byte_tokenizer
@@ -14,13 +14,11 @@ from shardlm.tokenizer import byte_tokenizer
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     folder = tmp_path_factory.mktemp("pretrained-gpt2")
     torch.manual_seed(123)
-    config = GPT2Config(vocab_size=257, n_positions=64, n_embd=48, n_layer=2, n_head=4, bos_token_id=256,
-                        eos_token_id=256)
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(byte_gpt2_config(n_embd=48, n_layer=2, n_head=4))
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder, model.eval()
