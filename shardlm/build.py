@@ -16,7 +16,7 @@ from shardlm import dist as dist_mod
 from shardlm.config import Config, save_config
 from shardlm.data import TokenBlocks, prepare_data
 from shardlm.dist import Dist
-from shardlm.model import CausalLM, empty_model, initial_model, model_config
+from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
 from shardlm.parallel import Plan, parallelize, plan
 from shardlm.tokenizer import load_tokenizer
 
@@ -80,12 +80,14 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> N
 
 def build_model(cfg: Config, tokenizer, pl: Plan, dist: Dist) -> tuple[CausalLM, object]:
     hf_cfg = model_config(cfg, tokenizer)
+    chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
+                            dist.device)
     if pl.use_fsdp:
-        model = CausalLM(empty_model(hf_cfg, "meta"), cfg.train.loss_chunk_size)
+        model = CausalLM(empty_model(hf_cfg, "meta"), chunk)
         parallelize(model, cfg, pl, dist)
         materialize(model, cfg, hf_cfg, pl, dist)
     else:
-        model = CausalLM(initial_model(cfg, hf_cfg, cfg.train.seed), cfg.train.loss_chunk_size).to(dist.device)
+        model = CausalLM(initial_model(cfg, hf_cfg, cfg.train.seed), chunk).to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model, hf_cfg
 

@@ -20,7 +20,8 @@ from omegaconf.errors import OmegaConfBaseException
 from shardlm import ShardlmError
 
 SHARDINGS = ("full", "grad_op", "no_shard", "hybrid_full", "hybrid_grad")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+COMPILES = ("auto", "model", "blocks", "false")
 LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
 # `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
@@ -66,7 +67,7 @@ class TrainConfig:
     eval_batches: int = 8  # micro-batches per rank per evaluation; 0 = the whole validation set
     log_every: int = 25  # steps between training records and console lines
     seed: int = 1337  # init, data order and dropout
-    loss_chunk_size: int = 1024  # tokens per lm_head/loss chunk; 0 = plain full-logits loss
+    loss_chunk_size: int | None = None  # tokens per lm_head/loss chunk; 0 = plain full-logits loss; null = auto
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
     sample_tokens: int = 200  # tokens generated at the end of training as a sample; 0 = none
     sample_prompt: str = "\n"  # prompt of that sample
@@ -76,10 +77,10 @@ class TrainConfig:
 class ParallelConfig:
     sharding: str = "full"  # full | grad_op | no_shard | hybrid_full | hybrid_grad
     shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (params/compute; gradients reduce in fp32)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (params/compute; gradients reduce in fp32; fp8 = Hopper+)
     cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
-    compile: bool = False  # torch.compile each block
+    compile: str = "auto"  # model (whole model + loss), blocks (each block), false; auto = model on CUDA, else false
     prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
     device: str = "auto"  # auto, cpu or cuda
     launcher: str = "auto"  # auto, torchrun, slurm, mpi or single
@@ -201,6 +202,8 @@ def build_config(flat: dict[str, Any]) -> Config:
     for key, value in flat.items():
         if key not in known:
             raise ShardlmError(f"unknown config key '{key}'.{_nearest(key, list(known))}")
+        if key == "parallel.compile" and isinstance(value, bool):  # YAML true/false, as before `model`/`blocks`
+            value = "model" if value else "false"
         try:
             OmegaConf.update(schema, key, value, merge=False)
         except OmegaConfBaseException:
@@ -225,6 +228,7 @@ def validate(cfg: Config) -> None:
         ("parallel.sharding", cfg.parallel.sharding, SHARDINGS),
         ("parallel.precision", cfg.parallel.precision, PRECISIONS),
         ("parallel.launcher", cfg.parallel.launcher, LAUNCHERS),
+        ("parallel.compile", cfg.parallel.compile, COMPILES),
         ("parallel.device", cfg.parallel.device, ("auto", "cpu", "cuda")),
         ("log.progress", cfg.log.progress, ("auto", "bar", "lines", "none")),
     ):
@@ -239,8 +243,10 @@ def validate(cfg: Config) -> None:
         _positive("train.max_steps", t.max_steps, allow_zero=True)
     _positive("train.lr", t.lr)
     _positive("train.log_every", t.log_every)
-    for name in ("eval_every", "eval_batches", "warmup_steps", "loss_chunk_size", "max_bad_steps"):
+    for name in ("eval_every", "eval_batches", "warmup_steps", "max_bad_steps"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    if t.loss_chunk_size is not None:
+        _positive("train.loss_chunk_size", t.loss_chunk_size, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import Config
-from shardlm.model import empty_model, model_config, transformer_blocks
+from shardlm.model import auto_loss_chunk, empty_model, model_config, transformer_blocks
 from shardlm.parallel import DTYPES, STRATEGIES
 
 GB = 2**30
@@ -92,7 +92,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     else:
         forward["activations"] = tokens * len(blocks) * per_token
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
-    chunk = cfg.train.loss_chunk_size
+    device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
+    chunk = auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device)
     if chunk:
         rows = min(chunk, tokens)
         forward["loss: one chunk buffer + head/hidden grads"] = rows * V * (4 + (csize if csize != 4 else 0)) \
@@ -115,7 +116,7 @@ def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {'on' if cfg.parallel.activation_checkpointing else 'off'}, "
-                     f"loss chunk {cfg.train.loss_chunk_size or 'off'}; {est.parameters / 1e6:.1f}M parameters")
+                     f"loss chunk {cfg.train.loss_chunk_size or 'off' if cfg.train.loss_chunk_size is not None else 'auto'}; {est.parameters / 1e6:.1f}M parameters")
         lines.append(est.table())
     return "\n".join(lines)
 

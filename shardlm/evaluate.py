@@ -83,7 +83,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
     if cfg.data.val is None:  # the held-out tail of the training data, as during training
         tokens = tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
     context = context_length(model.config) or 1024
-    chunk = cfg.train.loss_chunk_size
+    chunk = cfg.train.loss_chunk_size or 0  # null (auto) scores with the plain loss: no gradients at eval
     if stride:
         result = evaluate_stride(model, tokens, context, stride, chunk)
     else:

@@ -34,6 +34,19 @@ class CausalLM(nn.Module):
                                     bias=getattr(head, "bias", None), with_accuracy=not self.training)
 
 
+def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int, device: torch.device) -> int:
+    """`train.loss_chunk_size`, with null resolved: the plain loss when a micro-batch's fp32 logits are small.
+
+    Chunking saves memory (one chunk's logits instead of all of them) but costs a Python loop and, on
+    small models, per-chunk launch overhead that is the whole step. Below the threshold the logits cost
+    little memory, so the plain loss (which `torch.compile` also fuses best) is chosen.
+    """
+    if configured is not None:
+        return configured
+    limit = 2**30 if device.type == "cuda" else 64 * 2**20
+    return 0 if batch * seq_len * vocab * 4 <= limit else 1024
+
+
 def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:
     """The repeated decoder blocks (GPT-2's `transformer.h`, Llama's `model.layers`, ...)."""
     names = set(getattr(hf_model, "_no_split_modules", None) or [])

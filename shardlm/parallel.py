@@ -1,8 +1,10 @@
 """The one place that decides how the model is spread over devices.
 
-`parallelize` applies, in this order: activation checkpointing per block -> torch.compile per block ->
-`fully_shard` per block, then the root. Every sharding strategy is a row of STRATEGIES; nothing else
-in the code depends on which one is chosen.
+`parallelize` applies, in this order: activation checkpointing per block -> torch.compile per block
+(`parallel.compile=blocks`) -> `fully_shard` per block, then the root -> torch.compile of the whole model
+(`parallel.compile=model`: embeddings, blocks, final norm and the loss in one compiled forward; FSDP2's
+hooks stay eager at block boundaries). Every sharding strategy is a row of STRATEGIES; nothing else in
+the code depends on which one is chosen.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ STRATEGIES = {
     "hybrid_full": (True, True),
     "hybrid_grad": (True, False),
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 computes the linears of the blocks in float8 and everything else in bf16
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Plan:
     mesh_shape: tuple[int, ...]
     reshard_after_forward: bool
     dtype: torch.dtype
+    compile: str  # "model", "blocks" or "false" (auto resolved)
 
 
 def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.device) -> Plan:
@@ -60,7 +64,15 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     else:
         shape = (world_size,)
     return Plan(use_fsdp=world_size > 1 or p.cpu_offload, mesh_shape=shape,
-                reshard_after_forward=reshard, dtype=DTYPES[p.precision])
+                reshard_after_forward=reshard, dtype=DTYPES[p.precision], compile=compile_mode(p.compile, device))
+
+
+def compile_mode(configured: str, device: torch.device) -> str:
+    """`auto`: the whole model on CUDA (fastest measured there); off on CPU, where the first compile
+    (10-60 s) costs more than short runs and small models gain back."""
+    if configured == "auto":
+        return "model" if device.type == "cuda" else "false"
+    return configured
 
 
 def device_mesh(pl: Plan, device: torch.device):
@@ -71,18 +83,25 @@ def device_mesh(pl: Plan, device: torch.device):
 
 
 def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Module:
-    """Activation checkpointing -> compile -> fully_shard (per block, then root). Returns `model`."""
+    """AC -> compile blocks -> fully_shard (per block, then root) -> compile model. Returns `model`."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = transformer_blocks(model.hf)
     for i, block in enumerate(blocks):
         if cfg.parallel.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=cfg.model.dropout > 0)
-        if cfg.parallel.compile:
+        if pl.compile == "blocks":
             block.compile(dynamic=False)
         blocks[i] = block
-    if not pl.use_fsdp:
-        return model
+    if pl.use_fsdp:
+        shard(model, blocks, cfg, pl, dist)
+    if pl.compile == "model":
+        model.compile(dynamic=False)
+    return model
+
+
+def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: Dist) -> None:
+    """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
@@ -98,7 +117,6 @@ def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Modul
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(list(blocks[i + 1: i + 1 + depth]))
             block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - depth): i])))
-    return model
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -223,7 +223,7 @@ class Trainer:
         else:
             where = "1 process, no FSDP (launch with --nproc N or torchrun to shard)"
         extras = [n for n, on in (("activation checkpointing", cfg.parallel.activation_checkpointing),
-                                  ("compile", cfg.parallel.compile), ("cpu offload", cfg.parallel.cpu_offload)) if on]
+                                  (f"compile {self.run.plan.compile}", self.run.plan.compile != "false"), ("cpu offload", cfg.parallel.cpu_offload)) if on]
         return (f"shardlm: {where}; {self.device.type}, {cfg.parallel.precision}"
                 + (f", {', '.join(extras)}" if extras else "") + "\n"
                 f"model: {self.n_params / 1e6:.2f}M parameters; data: {len(self.run.train):,} train / "

@@ -37,7 +37,7 @@ def settings_grid(cfg: Config, world_size: int, on_gpu: bool) -> list[dict[str, 
     shardings = [cfg.parallel.sharding] if world_size == 1 else ["full", "grad_op", "no_shard"]
     precisions = sorted({cfg.parallel.precision, "bf16"}) if on_gpu else [cfg.parallel.precision]
     offload = [False, True] if on_gpu else [False]  # offload trades speed for memory only where there is a GPU
-    chunk = cfg.train.loss_chunk_size or 1024
+    chunk = cfg.train.loss_chunk_size or 1024  # null (auto) and 0 both try 1024 against 0
     grid = []
     for sharding, ac, chunked, precision, off in itertools.product(shardings, [False, True], [0, chunk], precisions,
                                                                    offload):

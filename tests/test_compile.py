@@ -12,7 +12,7 @@ from shardlm.trainer import Trainer
 def test_compiled_blocks_do_not_recompile(corpus, cache_dir, tmp_path):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
-    cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"parallel.compile": True, "model.n_layer": 3,
+    cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"parallel.compile": "blocks", "model.n_layer": 3,
                                                                  "parallel.activation_checkpointing": True}))
     trainer = Trainer(build(cfg))
     eager = Trainer(build(load_config(None, tiny(corpus, cache_dir, tmp_path / "eager", **{"model.n_layer": 3}))))
