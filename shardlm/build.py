@@ -54,6 +54,8 @@ def init_dist(cfg: Config) -> tuple[Dist, Plan]:
     """Detect the launch, choose the device, check the plan is feasible, then start the process group."""
     info = dist_mod.detect_launch(launcher=cfg.parallel.launcher)
     device = dist_mod.pick_device(cfg.parallel.device, info.local_rank)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls on Ampere and newer
     pl = plan(cfg, info.world_size, info.local_world_size, device)
     d = dist_mod.init(info, device, cfg.parallel.timeout_s, force_group=pl.use_fsdp)
     return d, pl

@@ -128,6 +128,7 @@ class Checkpointer:
         self.root = run.out_dir / "checkpoints"
         self.pending: tuple | None = None  # (future, tmp, final) of an async save
         self.signal_received = False
+        self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
         if self.dist.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("*.tmp"):
@@ -147,12 +148,26 @@ class Checkpointer:
             signal.signal(sig, handler)
 
     def should_stop(self) -> bool:
-        """Did any rank get SIGTERM/SIGINT? All ranks must agree on the step they stop at."""
+        """Did any rank get SIGTERM/SIGINT? All ranks must agree on the step they stop at.
+
+        On CUDA the agreement costs no host-device sync: each step all-reduces the flag into a pinned host
+        tensor without waiting, and reads the previous step's result, which the step's own grad-norm sync
+        has already completed. Ranks therefore stop one step after the signal, all at the same step.
+        """
         if not self.dist.distributed:
-            return self.signal_received  # no device tensor, so no host-device sync every step
-        flag = torch.tensor([1.0 if self.signal_received else 0.0], device=self.dist.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+            return self.signal_received
+        if self.dist.device.type != "cuda":
+            flag = torch.tensor([1.0 if self.signal_received else 0.0])
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            return bool(flag.item())
+        if self._flag is None:
+            self._flag = (torch.zeros(1, device=self.dist.device), torch.zeros(1).pin_memory())
+        on_device, on_host = self._flag
+        stop = bool(on_host.item())
+        on_device.fill_(1.0 if self.signal_received else 0.0)
+        torch.distributed.all_reduce(on_device, op=torch.distributed.ReduceOp.MAX)
+        on_host.copy_(on_device, non_blocking=True)
+        return stop
 
     # ---- save ----------------------------------------------------------------------------------------
     def _state(self, trainer) -> dict:

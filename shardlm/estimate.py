@@ -64,7 +64,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     per_block = sum(p.numel() for p in blocks[0].parameters())
     root = total - per_block * len(blocks)
     p = cfg.parallel
-    use_fsdp = world_size > 1 or p.cpu_offload
+    use_fsdp = world_size > 1 or p.cpu_offload if p.fsdp is None else p.fsdp
     hybrid, reshard = STRATEGIES[p.sharding]
     shard = (1 if p.sharding == "no_shard" else p.shard_size or local_world_size or world_size) if hybrid \
         else world_size
@@ -116,9 +116,13 @@ def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {'on' if cfg.parallel.activation_checkpointing else 'off'}, "
-                     f"loss chunk {cfg.train.loss_chunk_size or 'off' if cfg.train.loss_chunk_size is not None else 'auto'}; {est.parameters / 1e6:.1f}M parameters")
+                     f"loss chunk {_chunk_name(cfg.train.loss_chunk_size)}; {est.parameters / 1e6:.1f}M parameters")
         lines.append(est.table())
     return "\n".join(lines)
+
+
+def _chunk_name(chunk: int | None) -> str:
+    return "auto" if chunk is None else str(chunk or "off")
 
 
 def round_up(x: float, to: int) -> int:

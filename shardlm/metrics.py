@@ -10,9 +10,11 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 peak FLOP/s per GPU (no sparsity), matched by substring of torch.cuda.get_device_name().
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12,
-              "A10": 125e12, "L4": 121e12, "V100": 125e12, "T4": 65e12, "4090": 165e12, "3090": 71e12}
+# Dense (no sparsity) bf16 peak FLOP/s per GPU from NVIDIA's datasheets; fp16 for T4/V100, which have no
+# bf16. Matched in order by substring of torch.cuda.get_device_name(), so specific names come first.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+              "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 125e12, "A10": 125e12,
+              "L4": 121e12, "V100": 125e12, "T4": 65e12, "4090": 165e12, "3090": 71e12}
 
 
 def peak_flops(device: torch.device) -> float | None:

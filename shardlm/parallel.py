@@ -50,6 +50,11 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     if p.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ShardlmError(f"parallel.precision=bf16 is not supported by {torch.cuda.get_device_name(device)}. "
                            "Use parallel.precision=fp16 or fp32.")
+    use_fsdp = world_size > 1 or p.cpu_offload if p.fsdp is None else p.fsdp
+    if not use_fsdp and (world_size > 1 or p.cpu_offload):
+        what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
+        raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
+                           "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
     hybrid, reshard = STRATEGIES[p.sharding]
     if p.sharding == "no_shard":
         shape: tuple[int, ...] = (world_size, 1)
@@ -63,7 +68,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         shape = (world_size // shard, shard)
     else:
         shape = (world_size,)
-    return Plan(use_fsdp=world_size > 1 or p.cpu_offload, mesh_shape=shape,
+    return Plan(use_fsdp=use_fsdp, mesh_shape=shape,
                 reshard_after_forward=reshard, dtype=DTYPES[p.precision], compile=compile_mode(p.compile, device))
 
 

@@ -14,6 +14,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.build import Run
 from shardlm.data import GlobalSampler, eval_shares, micro_batch_position
+from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.metrics import (
     Eta,
     MetricsLog,
@@ -30,7 +31,7 @@ from shardlm.parallel import set_gradient_sync
 
 
 class Trainer:
-    def __init__(self, run: Run, checkpointer=None):
+    def __init__(self, run: Run, checkpointer=None, prefetch: bool | None = None):
         self.run, self.cfg, self.dist, self.model = run, run.cfg, run.dist, run.model
         self.device = self.dist.device
         t = self.cfg.train
@@ -40,6 +41,8 @@ class Trainer:
         self.step, self.position, self.bad_steps, self.skipped_steps = 0, 0, 0, 0
         self.checkpointer = checkpointer
         self.stop_requested = False
+        self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch  # background batch loading
+        self._prefetcher: Prefetcher | None = None
         fp16, plain_amp = run.plan.dtype == torch.float16, not run.plan.use_fsdp and run.plan.dtype != torch.float32
         self.scaler = torch.amp.GradScaler(self.device.type) if fp16 else None
         self.autocast = (lambda: torch.autocast(self.device.type, dtype=run.plan.dtype)) if plain_amp \
@@ -59,6 +62,31 @@ class Trainer:
             return batch.pin_memory().to(self.device, non_blocking=True)
         return batch
 
+    def _micro_batches(self, position: int, first: int):
+        """(key, block indices) of every micro-batch from (position, first) on, in training order."""
+        d = self.dist
+        while True:
+            for m in range(first, self.accum):
+                start = micro_batch_position(position, m, d.rank, d.world_size, self.batch)
+                yield (position, m), self.sampler.indices(start, self.batch)
+            position, first = position + self.global_batch, 0
+
+    def _train_batch(self, m: int) -> torch.Tensor:
+        key: Key = (self.position, m)
+        if not self.prefetch:
+            return self._batch(self.run.train, next(self._micro_batches(*key))[1])
+        batch = self._prefetcher.next(key) if self._prefetcher else None
+        if batch is None:  # first step, or the position moved (a checkpoint was loaded)
+            self.close()
+            self._prefetcher = Prefetcher(self.run.train.get, self._micro_batches(*key), self.device)
+            batch = self._prefetcher.next(key)
+        return batch
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
     def forward_backward_step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Sum of token losses of this micro-batch (detached); gradients accumulate in the parameters."""
         with self.autocast():
@@ -72,8 +100,7 @@ class Trainer:
         opt = self.run.optimizer
         loss_sum = torch.zeros((), device=self.device)
         for m in range(self.accum):
-            start = micro_batch_position(self.position, m, self.dist.rank, self.dist.world_size, self.batch)
-            tokens = self._batch(self.run.train, self.sampler.indices(start, self.batch))
+            tokens = self._train_batch(m)
             set_gradient_sync(self.model, m == self.accum - 1)
             loss_sum += self.forward_backward_step(tokens)
         if self.scaler:
@@ -187,6 +214,7 @@ class Trainer:
             timer.lap()  # evaluation and saving are counted by the ETA on their own
         if not self.stop_requested:
             last_val = self._eval_and_log(log, progress, eta)
+        self.close()
         if self.checkpointer:
             self.checkpointer.finish_pending()
         progress.close()
@@ -223,7 +251,8 @@ class Trainer:
         else:
             where = "1 process, no FSDP (launch with --nproc N or torchrun to shard)"
         extras = [n for n, on in (("activation checkpointing", cfg.parallel.activation_checkpointing),
-                                  (f"compile {self.run.plan.compile}", self.run.plan.compile != "false"), ("cpu offload", cfg.parallel.cpu_offload)) if on]
+                                  (f"compile {pl.compile}", pl.compile != "false"),
+                                  ("cpu offload", cfg.parallel.cpu_offload)) if on]
         return (f"shardlm: {where}; {self.device.type}, {cfg.parallel.precision}"
                 + (f", {', '.join(extras)}" if extras else "") + "\n"
                 f"model: {self.n_params / 1e6:.2f}M parameters; data: {len(self.run.train):,} train / "
