@@ -3,13 +3,18 @@
 Block mode scores the same packed blocks training validates on. `--stride` is the sliding-window protocol
 used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and only
 the tokens not scored by an earlier window count, each with up to a full context before it.
+
+Progress goes to stderr (a bar on a terminal, else a line after the first batch and every ~10 s); stdout
+carries only the final JSON line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
+import time
 
 import numpy as np
 import torch
@@ -19,7 +24,46 @@ from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
-from shardlm.model import context_length
+from shardlm.metrics import fmt_time
+from shardlm.model import auto_loss_chunk, context_length
+
+
+class EvalProgress:
+    """Tokens scored / total, tokens/s and an ETA on stderr: a tqdm bar on a terminal; otherwise one line after
+    the first batch (an early ETA) and then every `every_s` seconds.
+
+    The lines' ETA counts batches or windows, not tokens: a stride's first window scores a whole context,
+    the others `stride` tokens each at about the same cost."""
+
+    def __init__(self, total: int, steps: int, every_s: float = 10.0):
+        self.total, self.done, self.steps, self.step, self.every_s = total, 0, steps, 0, every_s
+        self.start = time.perf_counter()
+        self.last = None
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="eval", file=sys.stderr)
+
+    def update(self, tokens: int) -> None:
+        self.done, self.step = self.done + tokens, self.step + 1
+        if self.bar is not None:
+            self.bar.update(tokens)
+            return
+        now = time.perf_counter()
+        if self.last is None or now - self.last >= self.every_s:
+            self.last = now
+            print(self.line(now), file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        elapsed = now - self.start
+        rate, eta = self.done / max(elapsed, 1e-9), fmt_time(elapsed / self.step * (self.steps - self.step))
+        return (f"eval {self.done:,}/{self.total:,} tokens ({100 * self.done / max(self.total, 1):.1f}%)  "
+                f"{rate:,.0f} tok/s  ETA {eta}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @torch.no_grad()
@@ -34,17 +78,20 @@ def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int) -> tup
 def evaluate_blocks(model, blocks: TokenBlocks, batch: int, max_batches: int, chunk: int) -> dict:
     device = next(model.parameters()).device
     n = len(blocks) if max_batches == 0 else min(len(blocks), max_batches * batch)
-    total = np.zeros(3)
+    total, progress = np.zeros(3), EvalProgress(n * blocks.seq_len, -(-n // batch))
     for start in range(0, n, batch):
         rows = blocks.get(np.arange(start, min(n, start + batch))).to(device)
         total += score(model, rows[:, :-1], rows[:, 1:], chunk)
+        progress.update(rows[:, 1:].numel())
+    progress.close()
     return _summary(total)
 
 
 def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk: int) -> dict:
     device = next(model.parameters()).device
     stream = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    total, prev_end = np.zeros(3), 0
+    windows = -(-max(len(stream) - 1 - context, 0) // stride) + 1
+    total, prev_end, progress = np.zeros(3), 0, EvalProgress(len(stream) - 1, windows)
     for begin in range(0, len(stream) - 1, stride):
         end = min(begin + context, len(stream) - 1)
         window = stream[begin:end + 1]
@@ -52,9 +99,11 @@ def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk:
         fresh = end - max(prev_end, begin)  # targets not scored by an earlier window
         targets[: len(targets) - fresh] = IGNORE
         total += score(model, window[None, :-1].to(device), targets[None].to(device), chunk)
+        progress.update(fresh)
         prev_end = end
         if end == len(stream) - 1:
             break
+    progress.close()
     return _summary(total)
 
 
@@ -66,30 +115,43 @@ def _summary(total: np.ndarray) -> dict:
 
 
 def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
-    from shardlm.data import load_split
-    from shardlm.dist import Dist, LaunchInfo
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer, saved, _ckpt = load_for_inference(path, device)
-    flat = to_flat_dict(inference_config(saved))
-    flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
-    flat.update(parse_overrides(overrides))
-    cfg = build_config({k: v for k, v in flat.items() if not k.startswith("model.")})
-    single = Dist(LaunchInfo("single"), torch.device(device))
-    spec = cfg.data.val or (cfg.data.train if saved is not None else None)
-    if spec is None:
-        raise ShardlmError("an exported model carries no data settings: pass data.val=PATH (or hf:...).")
-    tokens = load_split(spec, cfg.data, tokenizer, single, "validation")
-    if cfg.data.val is None:  # the held-out tail of the training data, as during training
-        tokens = tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
-    context = context_length(model.config) or 1024
-    chunk = cfg.train.loss_chunk_size or 0  # null (auto) scores with the plain loss: no gradients at eval
-    if stride:
-        result = evaluate_stride(model, tokens, context, stride, chunk)
-    else:
-        blocks = TokenBlocks(tokens, min(cfg.data.seq_len, context))
-        result = evaluate_blocks(model, blocks, cfg.train.batch_size, cfg.train.eval_batches, chunk)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON line alone (scripts parse it)
+        model, tokenizer, saved, _ckpt = load_for_inference(path, device.type)
+        context = context_length(model.config) or 1024
+        if not 0 <= stride <= context:
+            raise ShardlmError(f"--stride {stride}: give 1..{context} (the model's context); a larger stride "
+                               "would skip the tokens between windows.")
+        flat = to_flat_dict(inference_config(saved))
+        flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
+        flat.update(parse_overrides(overrides))
+        cfg = build_config({k: v for k, v in flat.items() if not k.startswith("model.")})
+        tokens = _validation_tokens(cfg, tokenizer, device, exported=saved is None)
+    result = _evaluate(model, tokens, cfg, context, stride, device)
     print(json.dumps(result))
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']:,} tokens)", file=sys.stderr)
     return result
+
+
+def _evaluate(model, tokens: np.ndarray, cfg, context: int, stride: int, device: torch.device) -> dict:
+    vocab, t = model.config.vocab_size, cfg.train
+    if stride:  # one window of `context` tokens at a time
+        chunk = auto_loss_chunk(t.loss_chunk_size, 1, context, vocab, device)
+        return evaluate_stride(model, tokens, context, stride, chunk)
+    blocks = TokenBlocks(tokens, min(cfg.data.seq_len, context))
+    chunk = auto_loss_chunk(t.loss_chunk_size, t.batch_size, blocks.seq_len, vocab, device)
+    return evaluate_blocks(model, blocks, t.batch_size, t.eval_batches, chunk)
+
+
+def _validation_tokens(cfg, tokenizer, device: torch.device, exported: bool) -> np.ndarray:
+    from shardlm.data import load_split
+    from shardlm.dist import Dist, LaunchInfo
+
+    spec = cfg.data.val or (None if exported else cfg.data.train)
+    if spec is None:
+        raise ShardlmError("an exported model carries no data settings: pass data.val=PATH (or hf:...).")
+    tokens = load_split(spec, cfg.data, tokenizer, Dist(LaunchInfo("single"), device), "validation")
+    if cfg.data.val is None:  # the held-out tail of the training data, as during training
+        tokens = tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
+    return tokens
