@@ -83,7 +83,7 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> N
 def build_model(cfg: Config, tokenizer, pl: Plan, dist: Dist) -> tuple[CausalLM, object]:
     hf_cfg = model_config(cfg, tokenizer)
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
-                            dist.device)
+                            dist.device, compiled=pl.compile == "model")
     if pl.use_fsdp:
         model = CausalLM(empty_model(hf_cfg, "meta"), chunk)
         parallelize(model, cfg, pl, dist)

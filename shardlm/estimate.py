@@ -15,7 +15,7 @@ import torch
 
 from shardlm.config import Config
 from shardlm.model import auto_loss_chunk, empty_model, model_config, transformer_blocks
-from shardlm.parallel import DTYPES, STRATEGIES
+from shardlm.parallel import DTYPES, STRATEGIES, compile_mode
 
 GB = 2**30
 
@@ -93,11 +93,14 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         forward["activations"] = tokens * len(blocks) * per_token
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
-    chunk = auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device)
+    compiled = compile_mode(p.compile, device) == "model"
+    chunk = auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled)
     if chunk:
         rows = min(chunk, tokens)
         forward["loss: one chunk buffer + head/hidden grads"] = rows * V * (4 + (csize if csize != 4 else 0)) \
             + V * C * 4 + tokens * C * csize
+    elif compiled:  # inductor fuses log-softmax and its gradient: the logits and their gradient remain
+        forward["loss: logits and their gradient (compiled)"] = tokens * V * 2 * csize
     else:
         forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
     grads = 4 * total / shard * on_device + (2 * per_block * 4 if use_fsdp and shard > 1 else 0)

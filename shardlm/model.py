@@ -25,26 +25,32 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.loss_chunk_size = loss_chunk_size
+        self.loss_fn = linear_cross_entropy  # parallelize may replace it with a compiled one
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of token losses and count of correct next-token predictions (targets -100 are ignored)."""
         hidden = self.hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
-        return linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
-                                    bias=getattr(head, "bias", None), with_accuracy=not self.training)
+        return self.loss_fn(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
+                            bias=getattr(head, "bias", None), with_accuracy=not self.training)
 
 
-def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int, device: torch.device) -> int:
-    """`train.loss_chunk_size`, with null resolved: the plain loss when a micro-batch's fp32 logits are small.
+def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int, device: torch.device,
+                    compiled: bool = False) -> int:
+    """`train.loss_chunk_size`, with null resolved by the size of a micro-batch's fp32 logits.
 
-    Chunking saves memory (one chunk's logits instead of all of them) but costs a Python loop and, on
-    small models, per-chunk launch overhead that is the whole step. Below the threshold the logits cost
-    little memory, so the plain loss (which `torch.compile` also fuses best) is chosen.
+    Chunking keeps one chunk's logits instead of all of them, but costs a Python loop and per-chunk
+    launches, which on small models are the whole step. Compiled on CUDA, inductor fuses the plain loss
+    (no fp32 copies): measured on an H100 (GPT-2 124M, batch 16 x 1024) it was faster than chunks of
+    1024 (+11%) or 4096 (+5%) and no larger, so it is kept up to 8 GiB of logits, then chunks of 4096.
+    Eager, the plain loss holds fp32 logits, log-softmax and gradient: chunked above 1 GiB (64 MiB on CPU).
     """
     if configured is not None:
         return configured
-    limit = 2**30 if device.type == "cuda" else 64 * 2**20
-    return 0 if batch * seq_len * vocab * 4 <= limit else 1024
+    logits = batch * seq_len * vocab * 4
+    if compiled and device.type == "cuda":
+        return 0 if logits <= 8 * 2**30 else 4096
+    return 0 if logits <= (2**30 if device.type == "cuda" else 64 * 2**20) else 1024
 
 
 def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:

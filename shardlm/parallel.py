@@ -50,6 +50,10 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     if p.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ShardlmError(f"parallel.precision=bf16 is not supported by {torch.cuda.get_device_name(device)}. "
                            "Use parallel.precision=fp16 or fp32.")
+    if p.precision == "fp8":
+        from shardlm.fp8 import check_float8
+
+        check_float8(device, compile_mode(p.compile, device))
     use_fsdp = world_size > 1 or p.cpu_offload if p.fsdp is None else p.fsdp
     if not use_fsdp and (world_size > 1 or p.cpu_offload):
         what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
@@ -88,19 +92,33 @@ def device_mesh(pl: Plan, device: torch.device):
 
 
 def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Module:
-    """AC -> compile blocks -> fully_shard (per block, then root) -> compile model. Returns `model`."""
+    """fp8 conversion -> AC -> compile blocks -> fully_shard (per block, then root) -> compile. Returns `model`.
+
+    `compile=model` without FSDP compiles the whole model, loss included, as one graph (fastest measured).
+    Under FSDP2 the hooks between blocks break a whole-model graph into many and the identical blocks
+    recompile, so there it follows FSDP2's recommended pattern (torchtitan's): each block compiled inside
+    its FSDP unit, and the loss compiled on its own.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = transformer_blocks(model.hf)
+    if cfg.parallel.precision == "fp8":
+        from shardlm.fp8 import convert_to_float8
+
+        converted = convert_to_float8(model.hf, blocks, fsdp=pl.use_fsdp)
+        dist.print(f"fp8: {len(converted)} linear layers in float8 (the first and last block and the head in bf16)")
+    per_block = pl.compile == "blocks" or (pl.compile == "model" and pl.use_fsdp)
     for i, block in enumerate(blocks):
         if cfg.parallel.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=cfg.model.dropout > 0)
-        if pl.compile == "blocks":
+        if per_block:
             block.compile(dynamic=False)
         blocks[i] = block
     if pl.use_fsdp:
         shard(model, blocks, cfg, pl, dist)
-    if pl.compile == "model":
+    if pl.compile == "model" and pl.use_fsdp:
+        model.loss_fn = torch.compile(model.loss_fn, dynamic=False)
+    elif pl.compile == "model":
         model.compile(dynamic=False)
     return model
 

@@ -15,6 +15,7 @@ from shardlm import ShardlmError
 from shardlm.build import Run
 from shardlm.data import GlobalSampler, eval_shares, micro_batch_position
 from shardlm.data.prefetch import Key, Prefetcher
+from shardlm.fp8 import after_optimizer_step
 from shardlm.metrics import (
     Eta,
     MetricsLog,
@@ -41,6 +42,7 @@ class Trainer:
         self.step, self.position, self.bad_steps, self.skipped_steps = 0, 0, 0, 0
         self.checkpointer = checkpointer
         self.stop_requested = False
+        self.fp8 = self.cfg.parallel.precision == "fp8"
         self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch  # background batch loading
         self._prefetcher: Prefetcher | None = None
         fp16, plain_amp = run.plan.dtype == torch.float16, not run.plan.use_fsdp and run.plan.dtype != torch.float32
@@ -116,6 +118,8 @@ class Trainer:
             self.scaler.update()
         elif finite:
             opt.step()
+            if self.fp8:
+                after_optimizer_step(self.model)
         opt.zero_grad(set_to_none=True)
         self.bad_steps = 0 if finite or self.scaler else self.bad_steps + 1
         self.skipped_steps += 0 if finite or self.scaler else 1

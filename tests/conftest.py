@@ -12,6 +12,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT / "shardlm" / "assets" / "tinyshakespeare" / "input.txt"
+_device = "cpu"  # parallel.device of tiny(): "auto" (CUDA when present) while a @pytest.mark.cuda test runs
+
+
+@pytest.fixture(autouse=True)
+def _device_of_the_test(request):
+    """Tests run on CPU (gloo) even on a GPU machine: tiny() pins parallel.device=cpu and the processes that
+    shardlm_cli starts see no GPU. Single-process tests marked `@pytest.mark.cuda` run on CUDA where there
+    is one (`pytest -m cuda`, the `tests` stage of benchmarks/gpu_check.py)."""
+    global _device
+    _device = "auto" if request.node.get_closest_marker("cuda") else "cpu"
+    import torch
+
+    precision = torch.get_float32_matmul_precision()  # building a run on CUDA turns TF32 on for the process
+    yield
+    torch.set_float32_matmul_precision(precision)
+    _device = "cpu"
+
+
+def on_cuda() -> bool:
+    """Inside a @pytest.mark.cuda test on a machine with a GPU."""
+    import torch
+
+    return _device == "auto" and torch.cuda.is_available()
+
+
+def fp32_tol(cpu: float) -> float:
+    """Tolerance of an fp32 comparison: `cpu` on CPU; 2e-3 on CUDA, where shardlm runs fp32 matmuls in TF32."""
+    return 2e-3 if on_cuda() else cpu
 
 
 @pytest.fixture(scope="session")
@@ -27,13 +55,15 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def tiny(corpus: Path, cache_dir: Path, out_dir: Path, **extra) -> list[str]:
-    """Overrides for a ~40K-parameter byte-level GPT that trains in seconds."""
+    """Overrides for a ~40K-parameter byte-level GPT that trains in seconds (eager; on CPU unless the test is
+    marked cuda)."""
     values = {
         "data.train": corpus, "data.cache_dir": cache_dir, "out_dir": out_dir,
         "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2, "model.n_positions": 64,
         "data.seq_len": 32, "train.batch_size": 8, "train.max_steps": 10, "train.log_every": 1,
         "train.eval_every": 0, "train.eval_batches": 4, "train.warmup_steps": 2, "train.lr": 3e-3,
         "train.sample_tokens": 0, "log.tensorboard": False, "log.progress": "lines",
+        "parallel.device": _device, "parallel.compile": "false",
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -54,7 +84,8 @@ def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeou
                "-m", "shardlm", *args]
     else:
         cmd = [sys.executable, "-m", "shardlm", *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    hide_gpus = {} if _device == "auto" else {"CUDA_VISIBLE_DEVICES": ""}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **hide_gpus, **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

@@ -125,6 +125,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exact(corpus, cache_dir, tmp_path)
     assert by_step(tmp_path) == by_step(ref)
 
 
+@pytest.mark.cuda
 def test_real_sigterm_single_process(corpus, cache_dir, tmp_path):
     cmd = [sys.executable, "-m", "shardlm", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 100000})]
     cmd.insert(3, "train")

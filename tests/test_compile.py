@@ -1,14 +1,16 @@
-"""torch.compile per block (with activation checkpointing) compiles once, not every step or every layer."""
+"""torch.compile per block (with activation checkpointing) compiles once, not every step or every layer;
+the whole model (loss included) compiles into one graph with the eager model's losses."""
 
 import pytest
 import torch
 
-from conftest import tiny
+from conftest import fp32_tol, tiny
 from shardlm.build import build
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
 
 
+@pytest.mark.cuda
 def test_compiled_blocks_do_not_recompile(corpus, cache_dir, tmp_path):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
@@ -27,4 +29,18 @@ def test_compiled_blocks_do_not_recompile(corpus, cache_dir, tmp_path):
     assert graphs_after_warmup <= 4  # one graph for all 3 blocks (not one per layer_idx), plus backward
     assert not counters["recompiles"] or sum(counters["recompiles"].values()) <= 1
     for compiled, plain in losses:
-        assert compiled == pytest.approx(plain, rel=1e-4)
+        assert compiled == pytest.approx(plain, rel=fp32_tol(1e-4))
+
+
+@pytest.mark.cuda
+def test_whole_model_compiles_to_one_graph_with_eager_losses(corpus, cache_dir, tmp_path):
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled, eager = (Trainer(build(load_config(None, tiny(corpus, cache_dir, tmp_path / mode, **{
+        "parallel.compile": mode, "train.loss_chunk_size": 16})))) for mode in ("model", "false"))
+    for _ in range(3):
+        assert compiled.train_step()["loss_sum"].item() == pytest.approx(eager.train_step()["loss_sum"].item(),
+                                                                          rel=fp32_tol(1e-4))
+    assert counters["stats"]["unique_graphs"] == 1  # embeddings, blocks, norm and the chunked loss: no breaks
+    assert not counters["graph_break"]

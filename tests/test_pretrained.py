@@ -44,6 +44,7 @@ def test_pretrained_weights_reach_every_shard(pretrained, corpus, cache_dir, tmp
     assert first == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.cuda
 def test_async_checkpoints_are_complete_and_resume(corpus, cache_dir, tmp_path):
     args = tiny(corpus, cache_dir, tmp_path, **{"checkpoint.async": True, "checkpoint.every": 2,
                                                 "train.max_steps": 6})

@@ -33,6 +33,7 @@ def test_dead_rank_restarts_resumes_and_matches(corpus, cache_dir, tmp_path):
     print(f"fault-tolerance run wall time: {wall:.1f}s")
 
 
+@pytest.mark.cuda
 def test_non_finite_steps_are_skipped_and_counted(corpus, cache_dir, tmp_path):
     shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path)], env={"SHARDLM_TEST_NAN_STEPS": "3,4"})
     rec = records(tmp_path)
