@@ -20,6 +20,9 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
         else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if not dist.is_main:
         return None
+    from shardlm.fp8 import plain_state_dict  # fp8 + FSDP: torchao's weight wrappers survive full state dicts
+
+    state = plain_state_dict(state)
     hf = empty_model(hf_config, "meta")
     hf.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, assign=True, strict=False)
     hf.tie_weights()
