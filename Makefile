@@ -1,12 +1,14 @@
 # make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~4 min on 2 CPU cores)
 # make test: fresh venv, install, run the test suite
+# make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
+#   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # On machines without CUDA, pin the CPU build of torch first so pip does not pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -24,6 +26,9 @@ test: install
 
 lint: install
 	$(PY) -m ruff check shardlm tests benchmarks
+
+gpu-check:
+	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,13 +1,20 @@
 """The largest micro-batch that fits a memory budget: shardlm vs Hugging Face Trainer, same settings.
 
     python benchmarks/max_batch.py                       # GPT-2 124M, seq 512, fp32, 6 GiB budget (CPU)
-    python benchmarks/max_batch.py --budget-gb 16 --precision bf16   # on a GPU: max_memory_allocated
+    python benchmarks/max_batch.py --budget-gb 16 --cap-gb 16 --precision bf16   # on a GPU: a 16 GiB card
+    python benchmarks/max_batch.py --sides shardlm --ac  # shardlm alone, with activation checkpointing
 
 A batch "fits" when the peak memory of a training step (the second one: the optimizer state exists)
-stays within the budget. On CUDA the peak is torch.cuda.max_memory_allocated; on CPU it is measured the
-same way for both sides: large blocks are mmapped, the kernel's peak-RSS counter is reset before the
-step, and its growth is added to the bytes resident before the step (parameters + optimizer state).
-Each trial runs in a fresh process. Search: doubling, then bisection.
+stays within the budget. On CUDA the peak is torch.cuda.max_memory_allocated, and `--cap-gb` makes each
+trial process unable to allocate more (torch.cuda.set_per_process_memory_fraction): out of memory counts
+as not fitting. On CPU it is measured the same way for both sides: large blocks are mmapped, the
+kernel's peak-RSS counter is reset before the step, and its growth is added to the bytes resident before
+the step (parameters + optimizer state). Each trial runs in a fresh process.
+
+Search, up to `--max-batch`: once two batches fit, the next trial is where the straight line through their
+peaks meets the budget (peak memory grows linearly with the batch): 1, 2, the line's answer and one more
+settle it when memory is linear, instead of ~2 log2(max) trials. Doubling, then bisection, where there is
+no line yet or a batch that did not fit contradicts it.
 """
 
 from __future__ import annotations
@@ -15,13 +22,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def model_dims(args) -> dict:
+    layers, heads, width = args.model
+    return {"n_layer": layers, "n_head": heads, "n_embd": width}
 
 
 def trial_shardlm(args) -> int:
@@ -31,9 +45,8 @@ def trial_shardlm(args) -> int:
     from shardlm.trainer import Trainer
     from vs_hf_trainer import shardlm_overrides
 
-    s = {"model": {"n_layer": 12, "n_head": 12, "n_embd": 768}, "seq": args.seq, "batch": args.batch,
-         "precision": args.precision, "steps": 2}
-    extra = ["parallel.activation_checkpointing=true"] if args.ac else []
+    s = {"model": model_dims(args), "seq": args.seq, "batch": args.batch, "precision": args.precision, "steps": 2}
+    extra = ["parallel.compile=false"] + (["parallel.activation_checkpointing=true"] if args.ac else [])
     trainer = Trainer(build(load_config(None, shardlm_overrides(s, args.data, extra))))
     trainer.train_step()
     return measure_step_peak(trainer)
@@ -46,7 +59,8 @@ def trial_hf(args) -> int:
     from shardlm.estimate import StepPeak
 
     torch.manual_seed(0)
-    config = GPT2Config(n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    config = GPT2Config(n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        **model_dims(args))
     config._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(config)
     data = [{"input_ids": torch.randint(0, 50257, (args.seq,))} for _ in range(2 * args.batch)]
@@ -73,60 +87,91 @@ def trial_hf(args) -> int:
     return peak["bytes"]
 
 
+def trial_argv(side: str, batch: int, args) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--trial", side, "--batch", str(batch),
+            "--seq", str(args.seq), "--precision", args.precision, "--data", args.data,
+            "--model", ",".join(map(str, args.model))]
+    return argv + (["--ac"] if args.ac else []) + (["--cap-gb", str(args.cap_gb)] if args.cap_gb else [])
+
+
 def fits(side: str, batch: int, args) -> tuple[bool, float]:
-    cmd = [sys.executable, __file__, "--trial", side, "--batch", str(batch), "--seq", str(args.seq),
-           "--precision", args.precision, "--data", args.data] + (["--ac"] if args.ac else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    """(fits, peak GiB) of one trial in a fresh process; out of memory (CUDA, or the OS killing it) = no fit."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(trial_argv(side, batch, args), capture_output=True, text=True, cwd=ROOT, env=env)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("PEAK ")]
-    if not lines:  # out of memory (CUDA OOM or the OS killing the trial) counts as not fitting
-        return False, float("nan")
+    if not lines:
+        if proc.returncode < 0 or "out of memory" in proc.stderr.lower():
+            return False, float("nan")
+        raise RuntimeError(f"{side} trial at batch {batch} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     peak = int(lines[0][5:]) / 2**30
     return peak <= args.budget_gb, peak
 
 
+def next_batch(trials: dict[int, tuple[bool, float]], lo: int, hi: int, max_batch: int, budget: float) -> int:
+    """The next batch to try, strictly between lo (the largest that fits) and hi (the smallest that does not):
+    where the line through the peaks of the two largest fits meets the budget (lo + 1 if that is lo, to
+    confirm); doubling or bisection while there is no line yet or a batch that did not fit contradicts it."""
+    fitted, guess = sorted(b for b, (ok, _) in trials.items() if ok), None
+    if len(fitted) >= 2:
+        (b1, p1), (b2, p2) = ((b, trials[b][1]) for b in fitted[-2:])
+        guess = b2 + math.floor((budget - p2) * (b2 - b1) / (p2 - p1)) if p2 > p1 else None
+    if guess is None or (guess >= hi and hi <= max_batch):
+        guess = 2 * lo if hi > max_batch else (lo + hi) // 2
+    return max(lo + 1, min(hi - 1, guess))
+
+
 def search(side: str, args) -> dict:
-    trials, lo, hi, batch = {}, 0, None, 1
-    while hi is None:  # doubling
-        ok, trials[batch] = fits(side, batch, args)
-        if ok:
-            lo, batch = batch, batch * 2
-        else:
-            hi = batch
-        if batch > args.max_batch:
-            hi = batch
-    while hi - lo > 1:  # bisection
-        mid = (lo + hi) // 2
-        ok, trials[mid] = fits(side, mid, args)
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return {"max_batch": lo, "peak_gb_by_batch": {str(k): round(v, 3) for k, v in sorted(trials.items())}}
+    """Largest batch <= args.max_batch that fits (0: not even 1), with the peak of every trial."""
+    trials: dict[int, tuple[bool, float]] = {}
+    lo, hi, batch = 0, args.max_batch + 1, 1
+    while hi - lo > 1:
+        trials[batch] = fits(side, batch, args)
+        lo, hi = (batch, hi) if trials[batch][0] else (lo, batch)
+        batch = next_batch(trials, lo, hi, args.max_batch, args.budget_gb)
+    return {"max_batch": lo, "capped": lo == args.max_batch, "trials": len(trials),
+            "peak_gb_by_batch": {str(k): round(v, 3) if math.isfinite(v) else None  # None: out of memory
+                                 for k, (_, v) in sorted(trials.items())}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--trial", choices=["shardlm", "hf"])
+    p.add_argument("--sides", default="shardlm,hf")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--model", type=lambda v: tuple(int(x) for x in v.split(",")), default=(12, 12, 768),
+                   help="n_layer,n_head,n_embd (GPT-2 BPE vocabulary)")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--budget-gb", type=float, default=6.0)
+    p.add_argument("--cap-gb", type=float, default=None, help="CUDA: each trial may allocate at most this (GiB)")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--ac", action="store_true", help="activation checkpointing on both sides")
+    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
+    return p.parse_args(argv)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--trial", choices=["shardlm", "hf"])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--budget-gb", type=float, default=6.0)
-    p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--ac", action="store_true", help="activation checkpointing on both sides")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"))
-    args = p.parse_args()
+    args = parse_args()
     if args.trial:
+        from mfu import cap_memory
+
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cap_memory(args.cap_gb)
         peak = trial_shardlm(args) if args.trial == "shardlm" else trial_hf(args)
         print(f"PEAK {peak}", flush=True)
         return
     import torch
 
-    ours, theirs = search("shardlm", args), search("hf", args)
+    found = {side: search(side, args) for side in args.sides.split(",")}
+    ours, theirs = found.get("shardlm"), found.get("hf")
     print(json.dumps({
         "benchmark": "max_batch", "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "model": "gpt2-124M",
-        "seq": args.seq, "precision": args.precision, "budget_gb": args.budget_gb, "activation_checkpointing": args.ac,
+        "torch": torch.__version__, "command": " ".join(["python", *sys.argv]),
+        "model": "gpt2-" + "x".join(map(str, args.model)), "seq": args.seq, "precision": args.precision,
+        "budget_gb": args.budget_gb, "cap_gb": args.cap_gb, "activation_checkpointing": args.ac,
         "shardlm": ours, "hf_trainer": theirs,
-        "max_batch_ratio": ours["max_batch"] / max(1, theirs["max_batch"]),
+        "max_batch_ratio": ours["max_batch"] / max(1, theirs["max_batch"]) if ours and theirs else None,
     }))
 
 

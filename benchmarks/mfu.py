@@ -1,9 +1,12 @@
-"""Tokens/s and MFU of shardlm's training step for GPT-2 124M / 350M / 774M at seq 1024.
+"""Tokens/s and MFU of shardlm's training step for GPT-2 124M / 350M / 774M / 1558M (XL) at seq 1024.
 
-    python benchmarks/mfu.py                                   # all three sizes on this device
-    python benchmarks/mfu.py --sizes 124M --batch 16 --extra parallel.compile=true
+    python benchmarks/mfu.py                                   # 124M, 350M and 774M on this device
+    python benchmarks/mfu.py --sizes 124M --batch 16 --extra parallel.compile=model
+    torchrun --nproc_per_node 1 benchmarks/mfu.py --sizes 124M --extra parallel.fsdp=true   # FSDP2 on one GPU
+    python benchmarks/mfu.py --sizes 1558M --batch 4 --cap-gb 24 --extra parallel.cpu_offload=true
 MFU = achieved FLOP/s / the device's dense bf16 peak, with FLOPs per token = 6N + 12 L C T (nanoGPT's
-formula; N without position embeddings). On CPU the peak is unknown and MFU is null.
+formula; N without position embeddings). On CPU the peak is unknown and MFU is null. `--cap-gb` limits
+this process's CUDA memory (torch.cuda.set_per_process_memory_fraction), as on a smaller GPU.
 """
 
 from __future__ import annotations
@@ -15,8 +18,38 @@ import sys
 import time
 from pathlib import Path
 
-SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280)}
+SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def cap_memory(cap_gb: float | None) -> None:
+    """Let this process allocate at most `cap_gb` GiB of CUDA memory (no-op on CPU or without a cap)."""
+    import torch
+
+    if cap_gb and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 2**30 / total))
+
+
+def dims(size: str) -> tuple[int, int, int]:
+    """(n_layer, n_head, n_embd) of a named size or of `LxHxC`, e.g. `2x2x64`."""
+    return SIZES[size] if size in SIZES else tuple(int(x) for x in size.split("x"))  # type: ignore[return-value]
+
+
+def precision_of(args) -> str:
+    import torch
+
+    return args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
+
+
+def overrides(size: str, args) -> list[str]:
+    """The shardlm overrides of one measurement: GPT-2 BPE, from scratch, `args.extra` last (they win)."""
+    layers, heads, width = dims(size)
+    return [f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
+            f"model.n_positions={args.seq}", "model.tokenizer=gpt2", f"data.seq_len={args.seq}",
+            f"data.train={args.data}", f"train.batch_size={args.batch}", "train.max_steps=1000000",
+            f"parallel.precision={precision_of(args)}", "log.tensorboard=false",
+            "out_dir=/tmp/shardlm-mfu", *args.extra]
 
 
 def measure(size: str, args) -> dict:
@@ -26,14 +59,8 @@ def measure(size: str, args) -> dict:
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
 
-    layers, heads, width = SIZES[size]
     on_gpu = torch.cuda.is_available()
-    overrides = [f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
-                 f"model.n_positions={args.seq}", "model.tokenizer=gpt2", f"data.seq_len={args.seq}",
-                 f"data.train={args.data}", f"train.batch_size={args.batch}", "train.max_steps=1000000",
-                 f"parallel.precision={'bf16' if on_gpu else 'fp32'}", "log.tensorboard=false",
-                 "out_dir=/tmp/shardlm-mfu", *args.extra]
-    trainer = Trainer(build(load_config(None, overrides)))
+    trainer = Trainer(build(load_config(None, overrides(size, args))))
     for _ in range(args.warmup):
         trainer.train_step()
     if on_gpu:
@@ -47,8 +74,11 @@ def measure(size: str, args) -> dict:
     elapsed = time.perf_counter() - began
     tps = args.steps * trainer.global_batch * trainer.seq_len / elapsed
     peak = trainer.peak_flops
+    plan = trainer.run.plan
     result = {"model": f"gpt2-{size}", "params_m": round(trainer.n_params / 1e6, 1), "batch": args.batch,
-              "seq": args.seq, "tokens_per_s": round(tps), "step_s": round(elapsed / args.steps, 4),
+              "seq": args.seq, "precision": precision_of(args), "fsdp": plan.use_fsdp, "compile": plan.compile,
+              "world_size": trainer.dist.world_size, "tokens_per_s": round(tps),
+              "step_s": round(elapsed / args.steps, 4),
               "mfu": round(trainer.flops_per_token * tps / (peak * trainer.dist.world_size), 4) if peak else None,
               "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None}
     del trainer
@@ -56,22 +86,33 @@ def measure(size: str, args) -> dict:
     return result
 
 
-def main() -> None:
-    import torch
-
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--sizes", default="124M,350M,774M")
+    p.add_argument("--sizes", default="124M,350M,774M", help=f"comma-separated: {', '.join(SIZES)} or LxHxC")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--precision", default=None, help="default: bf16 on a GPU, fp32 on CPU")
+    p.add_argument("--cap-gb", type=float, default=None, help="CUDA memory cap for this process (GiB)")
     p.add_argument("--data", default="shakespeare")
     p.add_argument("--extra", action="append", default=[], help="extra shardlm override")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    import torch
+
+    from shardlm.dist import shutdown
+
+    args = parse_args()
+    cap_memory(args.cap_gb)
     results = [measure(size, args) for size in args.sizes.split(",")]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(json.dumps({"benchmark": "mfu", "date": datetime.date.today().isoformat(), "device": device,
-                      "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "results": results}))
+                      "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "results": results}),
+          flush=True)
+    shutdown(0)  # FSDP runs hold a process group: tear it down and leave at once
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python benchmarks/vs_hf_trainer.py                      # CPU: 6 x 384 GPT-2 (vocab 50257), seq 256, batch 8, fp32
     python benchmarks/vs_hf_trainer.py --gpu                # GPU: GPT-2 124M, seq 1024, batch 8, bf16
     python benchmarks/vs_hf_trainer.py --nproc 2            # both sides on 2 ranks (HF: its accelerate path)
+    python benchmarks/vs_hf_trainer.py --gpu --batch 16 --hf-compile --extra parallel.compile=model  # both compiled
+`--model L,H,C`, `--seq`, `--precision`, `--warmup` and `--tokenizer` override the defaults of either mode.
 
 Each side runs in its own process (tree), so peak RSS / peak CUDA memory are its own. The last line of
 output is one JSON object with both sides' tokens/s, peak memory and final loss, `speedup` (shardlm
@@ -25,12 +27,13 @@ DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"
 
 
 def settings(args) -> dict:
-    if args.gpu:
-        model = {"n_layer": 12, "n_head": 12, "n_embd": 768}
-        return {"model": model, "seq": 1024, "batch": args.batch or 8, "precision": "bf16", "steps": args.steps,
-                "warmup": 5}
-    return {"model": {"n_layer": 6, "n_head": 6, "n_embd": 384}, "seq": 256, "batch": args.batch or 8,
-            "precision": "fp32", "steps": args.steps, "warmup": 3}
+    """The benchmark's model, seq, batch, precision, steps: `--gpu` or CPU defaults, then explicit flags."""
+    layers, heads, width = args.model or ((12, 12, 768) if args.gpu else (6, 6, 384))
+    return {"model": {"n_layer": layers, "n_head": heads, "n_embd": width},
+            "seq": args.seq or (1024 if args.gpu else 256), "batch": args.batch or 8,
+            "precision": args.precision or ("bf16" if args.gpu else "fp32"), "steps": args.steps,
+            "warmup": args.warmup if args.warmup is not None else (5 if args.gpu else 3),
+            "tokenizer": args.tokenizer, "hf_compile": args.hf_compile}
 
 
 def peak_memory_gb() -> float:
@@ -44,8 +47,9 @@ def peak_memory_gb() -> float:
 def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
     m = s["model"]
     return [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}", f"model.n_embd={m['n_embd']}",
-            f"model.n_positions={s['seq']}", "model.tokenizer=gpt2", "model.dropout=0.0", f"data.train={data}",
-            f"data.seq_len={s['seq']}", f"train.batch_size={s['batch']}", f"train.max_steps={s['steps']}",
+            f"model.n_positions={s['seq']}", f"model.tokenizer={s.get('tokenizer', 'gpt2')}", "model.dropout=0.0",
+            f"data.train={data}", f"data.seq_len={s['seq']}", f"train.batch_size={s['batch']}",
+            f"train.max_steps={s['steps']}",
             "train.lr=6e-4", "train.warmup_steps=2", "train.weight_decay=0.1", "train.grad_clip=1.0",
             f"parallel.precision={s['precision']}", "train.sample_tokens=0", "train.eval_every=0",
             "log.tensorboard=false", "log.progress=none", "checkpoint.save_final=false",
@@ -81,7 +85,7 @@ def run_hf(s: dict, data: str) -> dict:
     from shardlm.tokenizer import load_tokenizer
 
     cfg = load_config(None, shardlm_overrides(s, data, []))
-    tok = load_tokenizer("gpt2")
+    tok = load_tokenizer(s["tokenizer"])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     train, _ = prepare_data(cfg.data, tok, Dist(LaunchInfo("single"), device))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -121,6 +125,7 @@ def run_hf(s: dict, data: str) -> dict:
         learning_rate=6e-4, warmup_steps=2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         lr_scheduler_type="cosine", logging_steps=1, save_strategy="no", report_to=[], dataloader_drop_last=True,
         bf16=s["precision"] == "bf16", use_cpu=not torch.cuda.is_available(), seed=cfg.train.seed,
+        torch_compile=s["hf_compile"],
         disable_tqdm=True, dataloader_num_workers=0, accelerator_config={"dispatch_batches": False},
         **({"fsdp": "full_shard"} if world > 1 and torch.cuda.is_available() else {}))
     trainer = Trainer(model=model, args=targs, train_dataset=Blocks(), callbacks=[Timer()])
@@ -134,9 +139,14 @@ def run_hf(s: dict, data: str) -> dict:
 
 
 def launch(side: str, args, extra: list[str]) -> dict:
-    script = [str(Path(__file__).resolve()), "--side", side, "--steps", str(args.steps)]
-    script += (["--gpu"] if args.gpu else []) + (["--batch", str(args.batch)] if args.batch else [])
-    script += ["--data", args.data] + [f"--extra={e}" for e in extra]
+    """Run one side in its own process (tree) with the same flags; its RESULT line, parsed."""
+    script = [str(Path(__file__).resolve()), "--side", side, "--steps", str(args.steps), "--data", args.data]
+    flags = {"--batch": args.batch, "--seq": args.seq, "--precision": args.precision, "--warmup": args.warmup,
+             "--tokenizer": args.tokenizer,
+             "--model": ",".join(map(str, args.model)) if args.model else None}
+    script += [x for k, v in flags.items() if v is not None for x in (k, str(v))]
+    script += (["--gpu"] if args.gpu else []) + (["--hf-compile"] if args.hf_compile else [])
+    script += [f"--extra={e}" for e in extra]
     cmd = [sys.executable, *script] if args.nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", *script]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -147,16 +157,27 @@ def launch(side: str, args, extra: list[str]) -> dict:
     return rows[0]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--side", choices=["shardlm", "hf"])
     p.add_argument("--gpu", action="store_true")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--batch", type=int, default=0)
+    p.add_argument("--seq", type=int, default=0)
+    p.add_argument("--model", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                   help="n_layer,n_head,n_embd (default: 12,12,768 with --gpu, else 6,6,384)")
+    p.add_argument("--precision", default=None, help="fp32 | bf16 (default: bf16 with --gpu, else fp32)")
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of tokens/s (default 5 --gpu, else 3)")
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2 (the GPT-2 BPE) or bytes (tiny vocabulary, for tests)")
+    p.add_argument("--hf-compile", action="store_true", help="HF Trainer with torch_compile=True")
     p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
-    p.add_argument("--extra", action="append", default=[], help="extra shardlm override, e.g. parallel.compile=true")
-    args = p.parse_args()
+    p.add_argument("--extra", action="append", default=[], help="extra shardlm override, e.g. parallel.compile=model")
+    return p.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     s = settings(args)
     if args.side:
         result = run_shardlm(s, args.data, args.extra) if args.side == "shardlm" else run_hf(s, args.data)
