@@ -80,7 +80,7 @@ class Sizes:
 
 
 GPU = Sizes("124M", "gpt2", 1024, 16, "bf16", steps=20, warmup=5, compiles=("false", "model"), hf_compile=True,
-            mb={"seq": 512, "cap": 16.0, "budget": 16.0, "max": 256},
+            mb={"seq": 512, "cap": 16.0, "budget": 16.0, "max": 128},
             xl={"size": "1558M", "seq": 1024, "batch": 4, "cap": 24.0},
             resume={"model": "6x6x384", "tokenizer": "gpt2", "seq": 256, "batch": 8, "steps": 12, "kill_at": 6,
                     "precisions": ("fp32", "bf16")},
@@ -152,7 +152,8 @@ def build_trainer(size: str, tokenizer: str, z: Sizes, compile_: str = "false"):
 
 # ---- stages: each returns {"ok", "summary", ...figures} ---------------------------------------------------
 def stage_tests(z: Sizes) -> dict:
-    proc = run([sys.executable, "-m", "pytest", *z.pytest, "-p", "no:cacheprovider"])
+    proc = run([sys.executable, "-m", "pytest", *z.pytest, "-p", "no:cacheprovider", "-o", "addopts=-q",
+                "--tb=line", "-rf"])  # the failing assertions, not the slowest-tests table, end the output
     counts = {key.rstrip("s"): int(n) for n, key in re.findall(r"(\d+) (passed|failed|errors?|skipped)", proc.stdout)}
     ok = proc.returncode == 0 and counts.get("passed", 0) > 0
     line = next((x for x in reversed(proc.stdout.splitlines()) if " in " in x and "passed" in x), "")
