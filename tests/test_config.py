@@ -60,6 +60,7 @@ def test_yaml_then_overrides(tmp_path):
         (["train.batch_size"], ["key=value"]),
         (["data.seq_len=512", "model.n_positions=256"], ["data.seq_len=512", "n_positions"]),
         (["checkpoint.export_final=true", "checkpoint.save_final=false"], ["export_final", "save_final=true"]),
+        (["parallel.compile=modle"], ["parallel.compile", "'model'"]),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, words):
@@ -90,3 +91,13 @@ def test_saved_config_round_trips(tmp_path):
         ],
     )
     assert again.train.lr == 0.5 and again.parallel.sharding == "hybrid_grad"
+
+
+def test_fsdp_false_cannot_hold_several_ranks():
+    import torch
+
+    from shardlm.parallel import plan
+
+    with pytest.raises(ShardlmError, match="parallel.fsdp=false cannot run 2 ranks"):
+        plan(load_config(None, ["parallel.fsdp=false"]), 2, 2, torch.device("cpu"))
+    assert plan(load_config(None, ["parallel.fsdp=true"]), 1, 1, torch.device("cpu")).use_fsdp
