@@ -1,5 +1,7 @@
 """Background batch loading feeds exactly the batches of the plain path, also after the position moves."""
 
+import pytest
+
 from conftest import tiny
 from shardlm.build import build
 from shardlm.config import load_config
@@ -22,3 +24,29 @@ def test_prefetched_batches_equal_direct_ones(corpus, cache_dir, tmp_path):
     for plain, prefetched in seen:
         assert all((a == b).all() for a, b in zip(plain, prefetched, strict=True))
     assert not (seen[0][0][0] == seen[2][0][0]).all()  # the move really changed the batches
+
+
+@pytest.mark.cuda
+def test_one_host_sync_per_optimizer_step_none_per_micro_step(corpus, cache_dir, tmp_path):
+    """On CUDA the only host-device sync of a step is the gradient norm (needed to skip non-finite steps)."""
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("counts CUDA synchronizations")
+    trainer = Trainer(build(load_config(None, tiny(corpus, cache_dir, tmp_path, **{
+        "parallel.device": "cuda", "train.grad_accum": 4}))))
+    for _ in range(2):  # warm-up: the prefetcher starts, kernels are chosen
+        trainer.train_step()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                trainer.train_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        trainer.close()
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 3, syncs
