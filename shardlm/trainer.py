@@ -43,6 +43,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.stop_requested = False
         self.fp8 = self.cfg.parallel.precision == "fp8"
+        self.params = list(self.model.parameters())
         self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch  # background batch loading
         self._prefetcher: Prefetcher | None = None
         fp16, plain_amp = run.plan.dtype == torch.float16, not run.plan.use_fsdp and run.plan.dtype != torch.float32
@@ -76,7 +77,8 @@ class Trainer:
     def _train_batch(self, m: int) -> torch.Tensor:
         key: Key = (self.position, m)
         if not self.prefetch:
-            return self._batch(self.run.train, next(self._micro_batches(*key))[1])
+            start = micro_batch_position(self.position, m, self.dist.rank, self.dist.world_size, self.batch)
+            return self._batch(self.run.train, self.sampler.indices(start, self.batch))
         batch = self._prefetcher.next(key) if self._prefetcher else None
         if batch is None:  # first step, or the position moved (a checkpoint was loaded)
             self.close()
@@ -98,7 +100,8 @@ class Trainer:
         return loss_sum.detach()
 
     def train_step(self) -> dict:
-        self.model.train()
+        if not self.model.training:  # train() walks every module: not per step
+            self.model.train()
         opt = self.run.optimizer
         loss_sum = torch.zeros((), device=self.device)
         for m in range(self.accum):
@@ -108,7 +111,7 @@ class Trainer:
         if self.scaler:
             self.scaler.unscale_(opt)
         max_norm = self.cfg.train.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)  # one host sync per optimizer step, needed to skip bad steps
