@@ -54,7 +54,9 @@ class Trainer:
         hf = run.hf_config
         layers = getattr(hf, "n_layer", getattr(hf, "num_hidden_layers", 0))
         width = getattr(hf, "n_embd", getattr(hf, "hidden_size", 0))
-        self.flops_per_token = flops_per_token(n, layers, width, self.seq_len)
+        # nanoGPT's N leaves out the position embeddings (a lookup, no matmul)
+        self.flops_per_token = flops_per_token(num_params(self.model, exclude_embeddings=True), layers, width,
+                                               self.seq_len)
         self.peak_flops = peak_flops(self.device)
         self.n_params = n
 
