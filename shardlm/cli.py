@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -158,6 +159,9 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.debug:  # transformers imports torchao when installed: its CUDA-extension and pytree notices
+        for name in ("torchao", "torch.utils._pytree"):  # say nothing a shardlm user can act on
+            logging.getLogger(name).setLevel(logging.ERROR)
     try:
         code = args.fn(args)
     except ShardlmError as e:
