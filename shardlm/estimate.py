@@ -15,7 +15,7 @@ import torch
 
 from shardlm.config import Config
 from shardlm.model import auto_loss_chunk, empty_model, model_config, transformer_blocks
-from shardlm.parallel import DTYPES, STRATEGIES, compile_mode
+from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled
 
 GB = 2**30
 
@@ -64,7 +64,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     per_block = sum(p.numel() for p in blocks[0].parameters())
     root = total - per_block * len(blocks)
     p = cfg.parallel
-    use_fsdp = world_size > 1 or p.cpu_offload if p.fsdp is None else p.fsdp
+    use_fsdp = fsdp_enabled(cfg, world_size)
     hybrid, reshard = STRATEGIES[p.sharding]
     shard = (1 if p.sharding == "no_shard" else p.shard_size or local_world_size or world_size) if hybrid \
         else world_size

@@ -1,10 +1,9 @@
 """The one place that decides how the model is spread over devices.
 
-`parallelize` applies, in this order: activation checkpointing per block -> torch.compile per block
-(`parallel.compile=blocks`) -> `fully_shard` per block, then the root -> torch.compile of the whole model
-(`parallel.compile=model`: embeddings, blocks, final norm and the loss in one compiled forward; FSDP2's
-hooks stay eager at block boundaries). Every sharding strategy is a row of STRATEGIES; nothing else in
-the code depends on which one is chosen.
+`parallelize` applies, in this order: float8 conversion (`parallel.precision=fp8`) -> activation
+checkpointing per block -> torch.compile per block -> `fully_shard` per block, then the root -> torch.compile
+of the whole model or of the loss (see `parallelize` for which). Every sharding strategy is a row of
+STRATEGIES; nothing else in the code depends on which one is chosen.
 """
 
 from __future__ import annotations
@@ -50,11 +49,12 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     if p.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ShardlmError(f"parallel.precision=bf16 is not supported by {torch.cuda.get_device_name(device)}. "
                            "Use parallel.precision=fp16 or fp32.")
+    compile_ = compile_mode(p.compile, device)
     if p.precision == "fp8":
         from shardlm.fp8 import check_float8
 
-        check_float8(device, compile_mode(p.compile, device))
-    use_fsdp = world_size > 1 or p.cpu_offload if p.fsdp is None else p.fsdp
+        check_float8(device, compile_)
+    use_fsdp = fsdp_enabled(cfg, world_size)
     if not use_fsdp and (world_size > 1 or p.cpu_offload):
         what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
         raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
@@ -73,7 +73,13 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     else:
         shape = (world_size,)
     return Plan(use_fsdp=use_fsdp, mesh_shape=shape,
-                reshard_after_forward=reshard, dtype=DTYPES[p.precision], compile=compile_mode(p.compile, device))
+                reshard_after_forward=reshard, dtype=DTYPES[p.precision], compile=compile_)
+
+
+def fsdp_enabled(cfg: Config, world_size: int) -> bool:
+    """`parallel.fsdp`, with null resolved: FSDP2 when there are several ranks or parameters live on the CPU."""
+    p = cfg.parallel
+    return world_size > 1 or p.cpu_offload if p.fsdp is None else p.fsdp
 
 
 def compile_mode(configured: str, device: torch.device) -> str:

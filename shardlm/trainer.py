@@ -67,20 +67,22 @@ class Trainer:
             return batch.pin_memory().to(self.device, non_blocking=True)
         return batch
 
+    def _indices(self, position: int, m: int) -> np.ndarray:
+        """Block indices of this rank's micro-batch `m` of the optimizer step starting at `position`."""
+        start = micro_batch_position(position, m, self.dist.rank, self.dist.world_size, self.batch)
+        return self.sampler.indices(start, self.batch)
+
     def _micro_batches(self, position: int, first: int):
         """(key, block indices) of every micro-batch from (position, first) on, in training order."""
-        d = self.dist
         while True:
             for m in range(first, self.accum):
-                start = micro_batch_position(position, m, d.rank, d.world_size, self.batch)
-                yield (position, m), self.sampler.indices(start, self.batch)
+                yield (position, m), self._indices(position, m)
             position, first = position + self.global_batch, 0
 
     def _train_batch(self, m: int) -> torch.Tensor:
         key: Key = (self.position, m)
         if not self.prefetch:
-            start = micro_batch_position(self.position, m, self.dist.rank, self.dist.world_size, self.batch)
-            return self._batch(self.run.train, self.sampler.indices(start, self.batch))
+            return self._batch(self.run.train, self._indices(*key))
         batch = self._prefetcher.next(key) if self._prefetcher else None
         if batch is None:  # first step, or the position moved (a checkpoint was loaded)
             self.close()
