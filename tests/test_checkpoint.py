@@ -1,40 +1,20 @@
 """Checkpoints: exact resume after kill -9 (after a save and during one), other world sizes, retention,
 torn checkpoints, SIGTERM, export/generate/eval round trips."""
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, records, shardlm_cli, tiny
+from gpu_check import kill_tree
 from shardlm.checkpoint import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12
-
-
-def kill_tree(pid: int) -> None:
-    """kill -9 a launcher and every process below it (torchrun's workers run in their own groups)."""
-    children: dict[int, list[int]] = {}
-    for stat in os.listdir("/proc"):
-        if stat.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{stat}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(stat))
-    todo, found = [pid], []
-    while todo:
-        found.append(todo.pop())
-        todo.extend(children.get(found[-1], []))
-    for p in found:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
 
 
 def by_step(out_dir) -> dict[int, float]:

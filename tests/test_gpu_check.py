@@ -10,7 +10,6 @@ import pytest
 
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 
 
