@@ -1,10 +1,20 @@
-"""`shardlm tune CONFIG`: for each FSDP setting that matters, the largest micro-batch that fits and its
-tokens/s; prints a table and writes the fastest setting as a YAML override file for `shardlm train`.
+"""`shardlm tune CONFIG`: for each FSDP setting that matters, the largest micro-batch that fits a memory budget,
+the micro-batch x grad_accum that trains CONFIG's batch with it, and that split's tokens/s and peak; prints a table
+and writes the fastest setting as a YAML override file for `shardlm train CONFIG tuned.yaml`.
 
-Batch search: doubling, then bisection. A batch fits when a training step runs without running out of
-memory and its peak (torch.cuda.max_memory_allocated on GPU, the measured step peak on CPU) is within the
-budget. Trials run in this process (under torchrun: on every rank, in lockstep, agreeing on the outcome);
-memory is freed between them.
+Tune keeps the global batch of CONFIG (ranks x train.batch_size x train.grad_accum blocks per optimizer step).
+Changing it changes the optimization, not only the speed: at the same lr and tokens, a larger batch means fewer,
+larger steps (Tiny Shakespeare: 490 steps x 32 blocks reach val loss 1.84, 61 x 256 only 2.51). So the per-rank
+batch B = batch_size x grad_accum stays; tune only splits it: micro-batch b = the largest divisor of B that fits,
+grad_accum = B / b. The search never goes above B (nor above --max-batch); a search that reaches that cap is
+marked "(cap)": it fits at least that micro-batch, and perhaps a larger one.
+
+Batch search: doubling, then bisection, one micro-batch per step. A batch fits when a training step runs without
+running out of memory and its peak (torch.cuda.max_memory_allocated on GPU, the measured step peak on CPU) is
+within the budget. Tokens/s and peak are then measured at b x grad_accum itself: gradients kept between
+micro-batches (unsharded under FSDP until the last one syncs) can need more memory than a step of one. Trials run
+in this process (under torchrun: on every rank, in lockstep, agreeing on the outcome); memory is freed between
+them.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import gc
 import itertools
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +39,22 @@ GB = 2**30
 @dataclass
 class Point:
     setting: dict[str, object]
-    max_batch: int = 0
-    tokens_per_s: float = 0.0
-    peak_gb: float = 0.0
+    max_batch: int = 0  # largest micro-batch that fits, searched up to `cap`; 0 = not even 1
+    tokens_per_s: float = 0.0  # measured at micro_batch x grad_accum
+    peak_gb: float = 0.0  # measured at micro_batch x grad_accum
+    micro_batch: int = 0  # the largest divisor of per_rank_batch that fits; 0 = none
+    per_rank_batch: int = 0  # train.batch_size x train.grad_accum of the user's config
+    cap: int = 0  # the search goes no higher: min(per_rank_batch, --max-batch)
+    world_size: int = 1
+
+    @property
+    def grad_accum(self) -> int:
+        return self.per_rank_batch // self.micro_batch if self.micro_batch else 0
+
+    @property
+    def capped(self) -> bool:
+        """The search reached its cap: a larger micro-batch may fit too."""
+        return self.max_batch >= self.cap > 0
 
 
 def settings_grid(cfg: Config, world_size: int, on_gpu: bool) -> list[dict[str, object]]:
@@ -46,10 +70,10 @@ def settings_grid(cfg: Config, world_size: int, on_gpu: bool) -> list[dict[str, 
     return grid
 
 
-def _with(cfg: Config, setting: dict[str, object], batch: int) -> Config:
+def _with(cfg: Config, setting: dict[str, object], batch: int, accum: int = 1) -> Config:
     flat = to_flat_dict(cfg)
     flat.update(setting)
-    flat.update({"train.batch_size": batch, "train.grad_accum": 1, "train.max_steps": 10 ** 6,
+    flat.update({"train.batch_size": batch, "train.grad_accum": accum, "train.max_steps": 10 ** 6,
                  "checkpoint.resume": "none", "checkpoint.save_final": False, "log.tensorboard": False,
                  "train.sample_tokens": 0,
                  # compiling every trial (one graph per batch size) would take minutes per setting; compiled
@@ -95,32 +119,48 @@ def run_trial(cfg: Config, steps: int, budget: float | None) -> tuple[bool, floa
     return bool(flag.item()), result[1], result[2]
 
 
-def search(cfg: Config, setting: dict, budget: float | None, steps: int, max_batch: int, log) -> Point:
-    point, lo, hi, batch = Point(setting), 0, None, 1
-    measured: dict[int, tuple[float, float]] = {}
-    while hi is None:
-        ok, peak, tps = run_trial(_with(cfg, setting, batch), steps, budget)
-        log(f"  batch {batch:>4}: {'fits' if ok else 'too big'} (peak {peak:.2f} GiB)")
-        if ok:
-            measured[batch] = (peak, tps)
-            lo, batch = batch, batch * 2
-            if batch > max_batch:
-                hi = max_batch + 1
-        else:
+def largest_fit(fits: Callable[[int], bool], cap: int) -> int:
+    """The largest batch <= cap for which `fits` holds (0 if not even 1): doubling, then bisection."""
+    lo, hi, batch = 0, cap + 1, 1
+    while batch <= cap:
+        if not fits(batch):
             hi = batch
+            break
+        lo, batch = batch, (cap + 1 if batch == cap else min(2 * batch, cap))
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ok, peak, tps = run_trial(_with(cfg, setting, mid), steps, budget)
-        log(f"  batch {mid:>4}: {'fits' if ok else 'too big'} (peak {peak:.2f} GiB)")
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def divisors_down(n: int, most: int) -> list[int]:
+    """Divisors of n that are <= most, largest first."""
+    return [d for d in range(min(n, most), 0, -1) if n % d == 0]
+
+
+def search(cfg: Config, setting: dict, budget: float | None, steps: int, max_batch: int, world_size: int,
+           log) -> Point:
+    per_rank = cfg.train.batch_size * cfg.train.grad_accum
+    point = Point(setting, per_rank_batch=per_rank, cap=min(max_batch, per_rank), world_size=world_size)
+    measured: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def fits(batch: int, accum: int = 1) -> bool:
+        ok, peak, tps = run_trial(_with(cfg, setting, batch, accum), steps, budget)
+        accumulated = f" x grad_accum {accum}" if accum > 1 else ""
+        log(f"  batch {batch:>4}{accumulated}: {'fits' if ok else 'too big'} (peak {peak:.2f} GiB)")
         if ok:
-            measured[mid] = (peak, tps)
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    if lo:
-        point.max_batch, (point.peak_gb, point.tokens_per_s) = lo, measured[lo]
+            measured[batch, accum] = (peak, tps)
+        return ok
+
+    point.max_batch = largest_fit(fits, point.cap)
+    for b in divisors_down(per_rank, point.max_batch):
+        if (b, per_rank // b) in measured or fits(b, per_rank // b):
+            point.micro_batch, (point.peak_gb, point.tokens_per_s) = b, measured[b, per_rank // b]
+            break
     return point
 
 
-def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 256, dist=None) -> list[Point]:
+def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 256) -> list[Point]:
     from shardlm.dist import detect_launch
 
     on_gpu = torch.cuda.is_available() and cfg.parallel.device != "cpu"
@@ -129,38 +169,66 @@ def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 
     info = detect_launch(launcher=cfg.parallel.launcher)
     budget = budget_gb * GB if budget_gb else None
     log = print if info.rank == 0 else (lambda *_: None)
+    t = cfg.train
+    per_rank = t.batch_size * t.grad_accum
+    log(f"per-rank batch kept: train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum} = {per_rank} "
+        f"blocks; micro-batches searched up to {min(max_batch, per_rank)}")
     points = []
     with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as scratch:
         cfg = build_config({**to_flat_dict(cfg), "out_dir": scratch})  # trials never write into a run's out_dir
         for setting in settings_grid(cfg, info.world_size, on_gpu):
             log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
-            points.append(search(cfg, setting, budget, steps, max_batch, log))
+            points.append(search(cfg, setting, budget, steps, max_batch, info.world_size, log))
     return points
 
 
-def report(points: list[Point], out: Path) -> str:
-    header = (f"{'sharding':<9} {'AC':<5} {'chunk':>5} {'prec':<5} {'offload':<7} {'max batch':>9} "
-              f"{'tokens/s':>9} {'peak GiB':>8}")
-    rows = [header, "-" * len(header)]
-    for p in sorted(points, key=lambda p: -p.tokens_per_s):
-        s = p.setting
-        rows.append(f"{s['parallel.sharding']!s:<9} {str(s['parallel.activation_checkpointing']):<5} "
-                    f"{s['train.loss_chunk_size']!s:>5} {s['parallel.precision']!s:<5} "
-                    f"{str(s['parallel.cpu_offload']):<7} {p.max_batch:>9} {p.tokens_per_s:>9.0f} {p.peak_gb:>8.2f}")
-    feasible = [p for p in points if p.max_batch > 0]
-    if not feasible:
-        raise ShardlmError("no setting fits even micro-batch 1 in the budget: raise --budget-gb, shorten "
-                           "data.seq_len or use more ranks.")
-    best = max(feasible, key=lambda p: p.tokens_per_s)
+def _row(p: Point) -> str:
+    s = p.setting
+    fit = f">={p.max_batch} (cap)" if p.capped else str(p.max_batch or "none")
+    chosen = f"{p.micro_batch} x {p.grad_accum}" if p.micro_batch else "-"
+    return (f"{s['parallel.sharding']!s:<9} {str(s['parallel.activation_checkpointing']):<5} "
+            f"{s['train.loss_chunk_size']!s:>5} {s['parallel.precision']!s:<5} {str(s['parallel.cpu_offload']):<7} "
+            f"{fit:>12} {chosen:>13} {p.tokens_per_s:>9.0f} {p.peak_gb:>8.2f}")
+
+
+def _notes(p: Point) -> list[str]:
+    stop = f"the per-rank batch ({p.per_rank_batch})" if p.cap == p.per_rank_batch else \
+        f"--max-batch ({p.cap}), below the per-rank batch ({p.per_rank_batch})"
+    return [f"max micro: the largest micro-batch that fits the budget; >=N (cap): fits at least N, the search "
+            f"stopped at {stop}",
+            f"micro x accum: train.batch_size x train.grad_accum; micro = the largest divisor of "
+            f"{p.per_rank_batch} that fits, so the product stays {p.per_rank_batch}",
+            "tokens/s, peak GiB: measured at that micro x accum, eager (trials do not compile)"]
+
+
+def _write(best: Point, out: Path) -> None:
     tree: dict[str, dict] = {}
-    for key, value in {**best.setting, "train.batch_size": best.max_batch}.items():
+    for key, value in {**best.setting, "train.batch_size": best.micro_batch,
+                       "train.grad_accum": best.grad_accum}.items():
         section, name = key.split(".")
         tree.setdefault(section, {})[name] = value
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# shardlm tune: fastest setting, {best.tokens_per_s:.0f} tokens/s, peak {best.peak_gb:.2f} GiB\n"
+    out.write_text(f"# shardlm tune: fastest setting, {best.tokens_per_s:.0f} tokens/s, peak {best.peak_gb:.2f} GiB;"
+                   f" batch_size x grad_accum = {best.per_rank_batch} blocks per rank, as in the config tuned\n"
                    + yaml.safe_dump(tree, sort_keys=False))
-    rows.append(f"\ntokens/s measured eager (trials do not compile); best: {best.tokens_per_s:.0f} tokens/s at "
-                f"micro-batch {best.max_batch}; written to {out}\n"
-                f"use it: shardlm train CONFIG {out}")
-    return "\n".join(rows)
 
+
+def report(points: list[Point], out: Path) -> str:
+    feasible = [p for p in points if p.micro_batch > 0]
+    if not feasible:
+        raise ShardlmError(f"no setting trains the per-rank batch ({points[0].per_rank_batch} blocks) within the "
+                           "budget, even as micro-batches of 1: raise --budget-gb, shorten data.seq_len or use "
+                           "more ranks.")
+    first = points[0]
+    world, per_rank = first.world_size, first.per_rank_batch
+    header = (f"{'sharding':<9} {'AC':<5} {'chunk':>5} {'prec':<5} {'offload':<7} {'max micro':>12} "
+              f"{'micro x accum':>13} {'tokens/s':>9} {'peak GiB':>8}")
+    rows = [f"global batch kept: {world} rank{'s' * (world != 1)} x {per_rank} blocks = {world * per_rank} blocks "
+            "per optimizer step (as in your config)", "", header, "-" * len(header)]
+    rows += [_row(p) for p in sorted(points, key=lambda p: -p.tokens_per_s)]
+    best = max(feasible, key=lambda p: p.tokens_per_s)
+    _write(best, out)
+    rows += ["", *_notes(first),
+             f"best: {best.tokens_per_s:.0f} tokens/s at micro-batch {best.micro_batch} x grad_accum "
+             f"{best.grad_accum}; written to {out}", f"use it: shardlm train CONFIG {out}"]
+    return "\n".join(rows)
