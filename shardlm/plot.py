@@ -4,74 +4,174 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 from shardlm import ShardlmError
 
-# (file name, title, y label, [(split, metric)], x key, log y)
-PANELS = [
-    ("loss_vs_step.png", "Loss", "loss", [("train", "loss"), ("val", "loss")], "step", False),
-    ("loss_vs_tokens.png", "Loss vs tokens", "loss", [("train", "loss"), ("val", "loss")], "tokens", False),
-    ("val_perplexity.png", "Validation perplexity", "perplexity", [("val", "ppl")], "step", True),
-    ("val_accuracy.png", "Validation next-token accuracy", "accuracy", [("val", "accuracy")], "step", False),
-    ("learning_rate.png", "Learning rate", "lr", [("train", "lr")], "step", False),
-    ("throughput.png", "Throughput", "tokens/s", [("train", "tokens_per_s")], "step", False),
-    ("memory.png", "Peak memory", "GB", [("train", "peak_mem_gb"), ("train", "gpu_mem_used_gb")], "step", False),
-    ("gpu_utilization.png", "GPU utilization (NVML)", "%", [("train", "gpu_util")], "step", False),
-]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure  # imported when drawing: matplotlib is slow to import
+
+
+class Panel(NamedTuple):
+    file: str
+    title: str
+    ylabel: str
+    series: tuple[tuple[str, str], ...]  # (split, metric)
+    x: str = "step"  # or "tokens": tokens trained on (val records name it tokens_seen)
+    scale: float = 1.0  # record unit -> axis unit
+    y: str = ""  # "zero": from 0, so that small changes do not look large; "log": log scale over a wide range
+
+
+class RunData(NamedTuple):
+    name: str
+    device: str | None  # "cpu", "cuda" or None when the run does not tell
+    records: list[dict]
+
+
+GIB_PER_GB = 1e9 / 2**30  # records hold GB (1e9 bytes); `shardlm estimate` reports GiB
+LOSS = (("train", "loss"), ("val", "loss"))
+PANELS = (
+    Panel("loss_vs_step.png", "Loss", "cross-entropy loss (nats/token)", LOSS),
+    Panel("loss_vs_tokens.png", "Loss vs tokens trained on", "cross-entropy loss (nats/token)", LOSS, "tokens"),
+    Panel("val_perplexity.png", "Validation perplexity", "perplexity", (("val", "ppl"),), y="log"),
+    Panel("val_accuracy.png", "Validation next-token accuracy", "accuracy (%)", (("val", "accuracy"),), scale=100),
+    Panel("learning_rate.png", "Learning rate", "learning rate", (("train", "lr"),)),
+    Panel("grad_norm.png", "Gradient norm (before clipping)", "global L2 norm", (("train", "grad_norm"),)),
+    Panel("throughput.png", "Throughput (all ranks)", "tokens/s", (("train", "tokens_per_s"),), y="zero"),
+    Panel("mfu.png", "Model FLOPs utilization", "MFU (%)", (("train", "mfu"),), scale=100, y="zero"),
+    Panel("memory.png", "Memory (rank 0)", "memory (GiB)", (("train", "peak_mem_gb"), ("train", "gpu_mem_used_gb")),
+          scale=GIB_PER_GB, y="zero"),
+    Panel("gpu_utilization.png", "GPU utilization (NVML, rank 0)", "GPU busy (%)", (("train", "gpu_util"),), y="zero"),
+)
+PEAK_MEM = {"cpu": "peak RSS of the process (CPU)", "cuda": "peak allocated by PyTorch (CUDA)",
+            None: "peak memory (process RSS on CPU, allocated on GPU)"}
+METRIC_NAMES = {"gpu_mem_used_gb": "GPU memory used (NVML)", "ppl": "perplexity", "lr": "learning rate",
+                "grad_norm": "grad norm", "tokens_per_s": "tokens/s", "mfu": "MFU", "gpu_util": "GPU utilization"}
 
 
 def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     if not path.is_file():
         raise ShardlmError(f"'{run}' has no metrics.jsonl: give a run dir (the out_dir of a training run).")
-    records = []
+    by_key = {}  # a resumed run may repeat steps: the last record wins
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            r = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being written right now
-    by_key = {}
-    for r in records:  # a resumed run may repeat steps: the last record wins
         by_key[(r.get("split"), r.get("step"))] = r
     return sorted(by_key.values(), key=lambda r: (r.get("split", ""), r.get("step", 0)))
 
 
+def run_device(run: Path, records: list[dict]) -> str | None:
+    # NVML fields and MFU (known peak FLOPs) are only logged on CUDA; their absence proves nothing
+    if any("gpu_util" in r or "gpu_mem_used_gb" in r or r.get("mfu") is not None for r in records):
+        return "cuda"
+    import yaml
+
+    try:
+        device = yaml.safe_load((run / "config.yaml").read_text())["parallel"]["device"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return device if device in ("cpu", "cuda") else None
+
+
+def run_names(runs: list[Path]) -> list[str]:
+    """Each run's shortest trailing path that no other run ends with: a/seed1 and b/seed1 stay distinct."""
+    names = []
+    for p in (run.parts for run in runs):
+        n = 1
+        while n < len(p) and sum(run.parts[-n:] == p[-n:] for run in runs) > 1:
+            n += 1
+        names.append(str(Path(*p[-n:])))
+    return names
+
+
+def load_runs(runs: list[str]) -> list[RunData]:
+    unique = {Path(r).resolve(): Path(r) for r in runs}  # the same dir twice is plotted once
+    records = [read_metrics(run) for run in unique.values()]
+    names = run_names(list(unique))
+    return [RunData(n, run_device(r, recs), recs) for n, r, recs in zip(names, unique.values(), records, strict=True)]
+
+
+def compact(value: float, _pos: object = None) -> str:
+    """Plain tick labels: 8, 12, 0.5, 5e-5, 1.5k, 2M."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:g}{suffix}"
+    return f"{value:g}".replace("e-0", "e-")
+
+
+def log_axis(ax: Axes, ys: list[float]) -> None:
+    """Log scale only over a wide range (over a narrow one it looks linear but would get no labelled tick)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ratio = max(ys) / min(ys) if min(ys) > 0 else 0
+    if ratio < 3:
+        return
+    ax.set_yscale("log")  # resets the formatters
+    ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 3, 5) if ratio < 30 else (1, 3) if ratio < 1e4 else (1,)))
+    ax.yaxis.set_major_formatter(FuncFormatter(compact))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_ylabel(f"{ax.get_ylabel()} (log scale)")
+
+
+def series_points(records: list[dict], split: str, metric: str, xkey: str) -> list[tuple[float, float]]:
+    xkey = "tokens_seen" if split == "val" and xkey == "tokens" else xkey
+    pts = [(r.get(xkey), r.get(metric)) for r in records if r.get("split") == split]
+    return [(x, y) for x, y in pts if x is not None and y is not None]
+
+
+def plot_series(ax: Axes, panel: Panel, runs: list[RunData]) -> list[float]:
+    """Draws each run's series of the panel; returns all the y values drawn."""
+    ys_all = []
+    for i, run in enumerate(runs):
+        for j, (split, metric) in enumerate(panel.series):
+            pts = series_points(run.records, split, metric, panel.x)
+            if not pts:
+                continue
+            xs, ys = zip(*pts, strict=True)
+            ys = [y * panel.scale for y in ys]
+            what = PEAK_MEM[run.device] if metric == "peak_mem_gb" else METRIC_NAMES.get(metric, metric)
+            label = f"{split} {what}" if any(s == "val" for s, _ in panel.series) else what
+            ax.plot(xs, ys, ("-", "--", ":")[j], color=f"C{i if len(runs) > 1 else j}", markersize=4,
+                    marker="o" if split == "val" or len(xs) < 10 else None,  # a line through 1 point is invisible
+                    label=f"{run.name}: {label}" if len(runs) > 1 else label)
+            ys_all += ys
+    return ys_all
+
+
+def draw(panel: Panel, runs: list[RunData]) -> Figure | None:
+    """The panel's figure, or None when no run has its metrics."""
+    from matplotlib.figure import Figure  # no pyplot: no backend to pick, no figure to close
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(figsize=(8, 4.5), dpi=110, layout="constrained")
+    ax = fig.subplots()
+    ys = plot_series(ax, panel, runs)
+    if not ys:
+        return None
+    ax.set(title=panel.title, xlabel="tokens trained on" if panel.x == "tokens" else "optimizer step",
+           ylabel=panel.ylabel)
+    for axis in (ax.xaxis, ax.yaxis):  # 0.0003, 2.5, 1.5k, 40M: no offset text, no "×10⁰" (log scale)
+        axis.set_major_formatter(FuncFormatter(compact))
+    if panel.y == "log":
+        log_axis(ax, ys)
+    elif panel.y == "zero":
+        ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)  # below the axes: never on data
+    return fig
+
+
 def plot_runs(runs: list[str], out: str | None = None) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = {str(Path(r)): read_metrics(Path(r)) for r in runs}
+    data = load_runs(runs)
     out_dir = Path(out) if out else Path(runs[0]) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, title, ylabel, series, xkey, logy in PANELS:
-        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-        drawn = 0
-        for run, records in data.items():
-            label_run = Path(run).name if len(data) > 1 else ""
-            for split, metric in series:
-                pts = [(r.get(xkey if split == "train" or xkey == "step" else "tokens_seen"), r.get(metric))
-                       for r in records if r.get("split") == split]
-                pts = [(x, y) for x, y in pts if x is not None and y is not None]
-                if not pts:
-                    continue
-                xs, ys = zip(*pts, strict=True)
-                style = "-" if split == "train" else "o-"
-                ax.plot(xs, ys, style, markersize=3, label=" ".join(filter(None, [label_run, split, metric])))
-                drawn += 1
-        if not drawn:
-            plt.close(fig)
-            continue
-        ax.set(title=title, xlabel="tokens" if xkey == "tokens" else "step", ylabel=ylabel)
-        if logy:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
+    for panel in PANELS:
+        if (fig := draw(panel, data)) is not None:
+            fig.savefig(out_dir / panel.file)
+            written.append(out_dir / panel.file)
     return written
