@@ -25,6 +25,16 @@ COMPILES = ("auto", "model", "blocks", "false")
 LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
 # `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+# ZeRO stages and FSDP1 / HF Trainer names (README's table), keyed like `_sharding_key` spells them.
+SHARDING_ALIASES = {
+    "zero3": "full", "fullshard": "full",
+    "zero2": "grad_op", "shardgradop": "grad_op",
+    "zero0": "no_shard", "ddp": "no_shard",
+    "hybridshard": "hybrid_full", "hybridshardzero2": "hybrid_grad",
+}
+CHOICE_HINTS = {"parallel.sharding": " ZeRO / FSDP1 names work too: zero3 or FULL_SHARD = full, zero2 or "
+                                     "SHARD_GRAD_OP = grad_op, zero0, ddp or NO_SHARD = no_shard, "
+                                     "HYBRID_SHARD = hybrid_full, hybrid_shard_zero2 = hybrid_grad."}
 
 
 @dataclass
@@ -135,13 +145,22 @@ def _nearest(word: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" Did you mean '{match[0]}'?" if match else ""
 
 
+def _sections() -> set[str]:
+    return {k.split(".")[0] for k in all_keys() if "." in k}
+
+
 def _check_keys(tree: dict[str, Any], source: str, prefix: str = "") -> None:
-    known = all_keys()
-    sections = {k.split(".")[0] for k in known if "." in k}
+    known, sections = all_keys(), _sections()
     for key, value in tree.items():
         dotted = KEY_ALIASES.get(prefix + str(key), prefix + str(key))
+        if dotted in sections and value is None:  # `train:` with every key commented out
+            continue
         if isinstance(value, dict) and dotted in sections:
             _check_keys(value, source, dotted + ".")
+        elif dotted in sections:
+            example = next(k for k in known if k.startswith(dotted + "."))
+            raise ShardlmError(f"'{dotted}' in {source} is a config section: it holds keys such as "
+                               f"'{example}', not the value {value!r}.")
         elif dotted not in known:
             raise ShardlmError(f"unknown config key '{dotted}' in {source}.{_nearest(dotted, list(known))}")
 
@@ -149,6 +168,8 @@ def _check_keys(tree: dict[str, Any], source: str, prefix: str = "") -> None:
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in tree.items():
+        if value is None and prefix == "" and key in _sections():
+            continue
         if isinstance(value, dict) and prefix == "":
             flat.update(_flatten(value, f"{key}."))
         else:
@@ -173,15 +194,49 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return parsed
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _yaml_message(e: yaml.YAMLError) -> str:
+    """PyYAML's multi-line message as one line, ending with a fix: the problem, where, what it was inside of."""
+    if isinstance(e, yaml.reader.ReaderError):
+        code = ord(e.character) if isinstance(e.character, str) else e.character
+        return f"character #x{code:04x} at position {e.position} is not allowed. Remove it: a config is plain text."
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return " ".join(str(e).split()).replace('in "<unicode string>", ', "") + "."
+    mark, where = e.problem_mark, ""
+    if e.context and e.context_mark is not None and e.context_mark.line != mark.line:
+        where = f" ({e.context} from line {e.context_mark.line + 1})"
+    problem = f"{e.problem or e.context} at line {mark.line + 1}, column {mark.column + 1}{where}."
+    if "'\\t'" in problem:
+        return f"{problem} Indent with spaces: YAML does not allow tabs."
+    return (f"{problem} Check the indentation, quotes and brackets on that line or just above "
+            "(a value holding ': ' or ' #' needs quotes); configs/ has examples.")
+
+
+def _yaml_kind(tree: object) -> str:
+    kinds = {list: "list", str: f"plain string {str(tree)[:40]!r}", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(tree), type(tree).__name__)
+
+
+def _read_text(path: Path) -> str:
+    if path.is_dir():
+        raise ShardlmError(f"config file '{path}' is a folder. Pass a YAML file (see configs/) or none.")
     if not path.is_file():
         raise ShardlmError(f"config file '{path}' not found. Pass a YAML file (see configs/) or none.")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ShardlmError(f"config file '{path}' is not UTF-8 text (byte {e.start}). Save it as UTF-8.") from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        tree = yaml.safe_load(_read_text(path)) or {}
     except yaml.YAMLError as e:
-        raise ShardlmError(f"config file '{path}' is not valid YAML: {e}") from None
+        raise ShardlmError(f"config file '{path}' is not valid YAML: {_yaml_message(e)}") from None
     if not isinstance(tree, dict):
-        raise ShardlmError(f"config file '{path}' must hold a mapping of sections, not {type(tree).__name__}")
+        raise ShardlmError(
+            f"config file '{path}' holds a {_yaml_kind(tree)}, not a mapping of sections: write sections such as "
+            "'train:' with indented 'batch_size: 8' lines (see configs/). Arguments before the first key=value "
+            "are read as config files.")
     _check_keys(tree, str(path))
     return _flatten(tree)
 
@@ -213,8 +268,20 @@ def build_config(flat: dict[str, Any]) -> Config:
                 f"config key '{key}' expects {expected}, got {value!r} ({type(value).__name__})."
             ) from None
     cfg: Config = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    cfg.parallel.sharding = canonical_sharding(cfg.parallel.sharding)
     validate(cfg)
     return cfg
+
+
+def _sharding_key(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "")
+
+
+def canonical_sharding(name: str) -> str:
+    """shardlm's name for a sharding strategy given in any case, or as a ZeRO / FSDP1 name; else unchanged."""
+    canonical = {_sharding_key(s): s for s in SHARDINGS}
+    key = _sharding_key(name)
+    return canonical.get(key) or SHARDING_ALIASES.get(key, name)
 
 
 def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
@@ -234,7 +301,8 @@ def validate(cfg: Config) -> None:
         ("log.progress", cfg.log.progress, ("auto", "bar", "lines", "none")),
     ):
         if value not in choices:
-            raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{_nearest(value, choices)}")
+            raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{_nearest(value, choices)}"
+                               + CHOICE_HINTS.get(name, ""))
     t = cfg.train
     _positive("train.batch_size", t.batch_size)
     _positive("train.grad_accum", t.grad_accum)

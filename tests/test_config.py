@@ -61,6 +61,7 @@ def test_yaml_then_overrides(tmp_path):
         (["data.seq_len=512", "model.n_positions=256"], ["data.seq_len=512", "n_positions"]),
         (["checkpoint.export_final=true", "checkpoint.save_final=false"], ["export_final", "save_final=true"]),
         (["parallel.compile=modle"], ["parallel.compile", "'model'"]),
+        (["parallel.sharding=zero1"], ["parallel.sharding='zero1'", "full, grad_op", "zero3 or FULL_SHARD = full"]),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, words):
@@ -75,6 +76,32 @@ def test_unknown_key_in_yaml_names_file_and_nearest(tmp_path):
     path.write_text("train:\n  learning_rate: 0.1\n")
     with pytest.raises(ShardlmError, match=r"train.learning_rate.*c.yaml"):
         load_config(path)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("train:\n  lr: [1, 2\n  x: 3\n", ["c.yaml' is not valid YAML: expected ',' or ']', but got ':' at line 3, "
+                                       "column 4", "Check the indentation"]),
+    ("train:\n\tlr: 1\n", ["c.yaml' is not valid YAML: found character", "at line 2, column 1", "spaces"]),
+    ("- a\n- b\n", ["c.yaml' holds a list, not a mapping of sections", "'train:'"]),
+    ("just words\n", ["c.yaml' holds a plain string 'just words', not a mapping"]),
+    ("train: 5\n", ["'train' in", "c.yaml is a config section", "'train.batch_size'"]),
+])
+def test_bad_yaml_is_one_line_naming_the_file(tmp_path, text, words):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ShardlmError) as err:
+        load_config(tmp_path / "c.yaml")
+    assert all(word in str(err.value) for word in words) and "\n" not in str(err.value), str(err.value)
+
+
+def test_zero_and_fsdp1_sharding_names_resolve_to_shardlm_names(tmp_path):
+    aliases = {"zero3": "full", "FULL_SHARD": "full", "ZeRO-2": "grad_op", "shard_grad_op": "grad_op",
+               "ddp": "no_shard", "NO_SHARD": "no_shard", "HYBRID_SHARD": "hybrid_full",
+               "hybrid_shard_zero2": "hybrid_grad", "Grad_Op": "grad_op"}
+    for alias, name in aliases.items():
+        assert load_config(None, [f"parallel.sharding={alias}"]).parallel.sharding == name
+    (tmp_path / "c.yaml").write_text("train:\nparallel:\n  sharding: ZeRO-3\n")  # an empty section is no error
+    save_config(load_config(tmp_path / "c.yaml"), tmp_path / "config.yaml")
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["parallel"]["sharding"] == "full"
 
 
 def test_saved_config_round_trips(tmp_path):

@@ -2,6 +2,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from shardlm import ShardlmError
 from shardlm.data import GlobalSampler, eval_shares, micro_batch_position
@@ -68,23 +69,46 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name, content, message", [
-    ("a.txt", b"", "is empty"),
+    ("a.txt", b"", "a.txt' is empty. Give a file with text"),
     ("a.txt", b"\x00\x01\x02binary", "looks binary"),
+    ("a.txt", "hi".encode("utf-16"), "a.txt' is UTF-16 text; save it as UTF-8"),
     ("a.csv", b"title,body\nx,y\n", "no 'text' column (columns found: title, body)"),
-    ("a.jsonl", b'{"text": "ok"}\n{"text": broken\n', "a.jsonl:2: malformed JSON"),
-    ("a.jsonl", b'{"body": "ok"}\n', "a.jsonl:1: no 'text' field"),
+    ("a.csv", b"text\n\n", "a.csv' holds no text: no record has a non-empty 'text'. Give data"),
+    ("a.jsonl", b'{"text": "ok"}\n{"text": broken\n', "a.jsonl:2: not valid JSON (Expecting value at column 10). Fix"),
+    ("a.jsonl", b'{"text": "a\tb"}\n', "a.jsonl:1: not valid JSON (Invalid control character at column 12: a raw tab"),
+    ("a.jsonl", b'{"text": "a\nb"}\n', "(Unterminated string starting at column 10: a record must fit on one line"),
+    ("a.json", b'[\n {"text": "a"}\n]\n', "a.json:1: not valid JSON (Expecting value at column 2: is this one JSON"),
+    ("a.jsonl", b'"just text"\n', 'a.jsonl:1: a string, not a JSON object: each line must be one object such as'),
+    ("a.jsonl", b'{"body": "ok"}\n', "a.jsonl:1: no 'text' field in this record (fields found: body). Set data"),
+    ("a.jsonl", b'{"text": 3}\n', "a.jsonl:1: field 'text' is a number, not a string"),
     ("a.parquet", b"PAR1", "suffix '.parquet'"),
 ])
 def test_bad_files_give_clear_errors(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
     with pytest.raises(ShardlmError, match=None) as err:
         tokens_of(tmp_path / name, tmp_path)
-    assert message in str(err.value)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_missing_path(tmp_path):
+def test_corpus_shorter_than_one_block_names_the_data_and_the_fix(tmp_path):
+    from shardlm.config import DataConfig
+    from shardlm.data import prepare_data
+    from shardlm.dist import Dist, detect_launch
+
+    (tmp_path / "a.txt").write_text("hi")
+    cfg = DataConfig(train=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "cache"))
+    one_process = Dist(detect_launch(launcher="single"), torch.device("cpu"))
+    with pytest.raises(ShardlmError, match=r"training data '.*a.txt' \(less the 10% held out for validation\) has "
+                                           r"2 tokens.*smaller data.seq_len, or a smaller data.val_fraction"):
+        prepare_data(cfg, byte_tokenizer(), one_process)
+
+
+def test_missing_path_or_empty_folder(tmp_path):
     with pytest.raises(ShardlmError, match="does not exist"):
         resolve(str(tmp_path / "nope.txt"))
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ShardlmError, match="holds no .txt/.csv/.jsonl/.json files. Put text files in it"):
+        resolve(str(tmp_path / "d"))
 
 
 def test_hf_spec_parsing():

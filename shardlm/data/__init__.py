@@ -35,8 +35,17 @@ def prepare_data(cfg: DataConfig, tokenizer, dist) -> tuple[TokenBlocks, TokenBl
         train = TokenBlocks(train_tokens, cfg.seq_len, 0, cut)
         val = TokenBlocks(train_tokens, cfg.seq_len, cut)
     for name, blocks in (("training", train), ("validation", val)):
-        tokens = blocks.end - blocks.start
         if len(blocks) == 0:
-            raise ShardlmError(f"the {name} data has {tokens} tokens, fewer than one block of data.seq_len="
-                               f"{cfg.seq_len} + 1. Use more data or a smaller data.seq_len.")
+            raise ShardlmError(_too_short(name, blocks.end - blocks.start, cfg))
     return train, val
+
+
+def _too_short(name: str, tokens: int, cfg: DataConfig) -> str:
+    held_out = f"{cfg.val_fraction:.0%}"
+    if name == "training":
+        what = f"'{cfg.train}'" + ("" if cfg.val else f" (less the {held_out} held out for validation)")
+    else:
+        what = f"'{cfg.val}'" if cfg.val else f"(the last {held_out} of '{cfg.train}')"
+    fix = "" if cfg.val else f", or a {'larger' if name == 'validation' else 'smaller'} data.val_fraction"
+    return (f"the {name} data {what} has {tokens} tokens, fewer than one block of data.seq_len={cfg.seq_len} + 1. "
+            f"Use more data or a smaller data.seq_len{fix}.")

@@ -93,7 +93,9 @@ def build_cache(source: Source, tokenizer, root: Path, text_field: str = "text",
                     chars = 0
             count += flush()
         if count <= docs:  # nothing but EOS tokens
-            raise ShardlmError(f"data source '{source.spec}' holds no text (empty after reading).")
+            raise ShardlmError(f"data source '{source.spec}' holds no text: no record has a non-empty "
+                               f"'{text_field}'. Give data with text, or set data.text_field to the column or field "
+                               "that holds it.")
         meta = {"num_tokens": count, "dtype": np.dtype(dtype).name, "documents": docs, "source": source.spec,
                 "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab_size": vocab,
                 "shardlm_version": __version__}

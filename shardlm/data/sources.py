@@ -65,19 +65,28 @@ def resolve(spec: str, default_split: str = "train") -> Source:
     if path.is_dir():
         files = tuple(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES))
         if not files:
-            raise ShardlmError(f"folder '{spec}' holds no {'/'.join(SUFFIXES)} files.")
+            raise ShardlmError(f"folder '{spec}' holds no {'/'.join(SUFFIXES)} files. Put text files in it "
+                               "or point data.train/data.val at a file.")
     elif path.suffix.lower() in SUFFIXES or path.suffix == "":
         files = (path,)
     else:
         raise ShardlmError(f"'{spec}' has suffix '{path.suffix}'; shardlm reads {', '.join(SUFFIXES)} files "
                            "(or a folder of them).")
     for f in files:
-        if f.stat().st_size == 0:
-            raise ShardlmError(f"data file '{f}' is empty.")
-        with open(f, "rb") as fh:
-            if b"\0" in fh.read(8192):
-                raise ShardlmError(f"data file '{f}' looks binary (it contains NUL bytes); give UTF-8 text.")
+        _check_readable(f)
     return Source(spec, files=files)
+
+
+def _check_readable(path: Path) -> None:
+    if path.stat().st_size == 0:
+        raise ShardlmError(f"data file '{path}' is empty. Give a file with text, or remove it from the folder.")
+    with open(path, "rb") as fh:
+        head = fh.read(8192)
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise ShardlmError(f"data file '{path}' is UTF-16 text; save it as UTF-8.")
+    if b"\0" in head:
+        raise ShardlmError(f"data file '{path}' looks binary (it contains NUL bytes); give UTF-8 text "
+                           "(.txt, .csv or .jsonl), not a compressed, binary or UTF-16 file.")
 
 
 def _warn_replaced(path: Path, count: int) -> None:
@@ -115,7 +124,40 @@ def _iter_csv(path: Path, field: str) -> Iterator[tuple[str, bool]]:
                 if row.get(field):
                     yield row[field], True
         except csv.Error as e:
-            raise ShardlmError(f"{path}:{reader.line_num}: malformed CSV: {e}") from None
+            raise ShardlmError(f"{path}:{reader.line_num}: malformed CSV ({e}). Fix that line, or convert the "
+                               "file to .jsonl.") from None
+
+
+JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "true/false", type(None): "null"}
+
+
+def _json_error(path: Path, lineno: int, line: str, e: json.JSONDecodeError, field: str) -> ShardlmError:
+    why = ""
+    if e.msg.startswith("Invalid control character"):
+        why = ": a raw tab or other control character inside a string must be escaped, e.g. as \\t"
+    elif e.msg.startswith("Unterminated string"):
+        why = ": a record must fit on one line; a raw newline inside a string must be escaped as \\n"
+    elif lineno == 1 and (line.strip() in ("[", "{") or line.lstrip().startswith("[")):
+        why = ": is this one JSON document? shardlm reads JSON Lines, one object per line"
+    return ShardlmError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}{why}). "
+                        f'Fix or remove the line: each line must be one JSON object such as {{"{field}": "..."}}.')
+
+
+def _record_text(path: Path, lineno: int, record: object, field: str) -> str:
+    where = f"{path}:{lineno}:"
+    if not isinstance(record, dict):
+        raise ShardlmError(f"{where} {JSON_TYPES.get(type(record), type(record).__name__)}, not a JSON object: "
+                           f'each line must be one object such as {{"{field}": "..."}}.')
+    if field not in record:
+        found = ", ".join(list(map(str, record))[:10]) or "none"
+        raise ShardlmError(f"{where} no '{field}' field in this record (fields found: {found}). "
+                           "Set data.text_field to the field that holds the text.")
+    text = record[field]
+    if not isinstance(text, str):
+        raise ShardlmError(f"{where} field '{field}' is {JSON_TYPES.get(type(text), type(text).__name__)}, "
+                           "not a string. Give text there, or set data.text_field to the field that holds it.")
+    return text
 
 
 def _iter_jsonl(path: Path, field: str) -> Iterator[tuple[str, bool]]:
@@ -124,16 +166,12 @@ def _iter_jsonl(path: Path, field: str) -> Iterator[tuple[str, bool]]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # a newline inside a string then reads as unterminated
             except json.JSONDecodeError as e:
-                raise ShardlmError(f"{path}:{lineno}: malformed JSON line ({e.msg}).") from None
-            if not isinstance(record, dict) or field not in record:
-                raise ShardlmError(f"{path}:{lineno}: no '{field}' field in this record. "
-                                   f"Set data.text_field to the field that holds the text.")
-            if not isinstance(record[field], str):
-                raise ShardlmError(f"{path}:{lineno}: field '{field}' is {type(record[field]).__name__}, not text.")
-            if record[field]:
-                yield record[field], True
+                raise _json_error(path, lineno, line, e, field) from None
+            text = _record_text(path, lineno, record, field)
+            if text:
+                yield text, True
 
 
 def _iter_hf(repo: str, config: str | None, split: str, field: str, rows_are_documents: bool):
