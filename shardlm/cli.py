@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
 import sys
 import traceback
+from pathlib import Path
 
 from shardlm import ShardlmError, __version__
 
 
 def _split_config(rest: list[str]) -> tuple[list[str], list[str]]:
-    """Leading arguments without `=` are config files (later ones win); the rest are overrides."""
-    files = []
-    while rest and "=" not in rest[0]:
-        files, rest = [*files, rest[0]], rest[1:]
-    return files, rest
+    """Arguments with `=` are overrides, the others config files (later ones win); each keeps its order."""
+    return [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
 
 
 def launch_torchrun(args: argparse.Namespace, rest: list[str]) -> int:
-    """`shardlm train --nproc N ...` re-runs itself under torchrun on this node."""
+    """`shardlm train --nproc N ...` runs itself under torchrun on this node.
+
+    torchrun answers Ctrl-C with a traceback, exit code 1 and SIGKILL for its workers 30 s later, which
+    would cut a large model's save in half. So torchrun runs in its own session, out of the terminal's
+    reach, and a SIGINT/SIGTERM sent here goes straight to the workers: they finish the step, save and
+    exit 0, and so does torchrun. A second signal stops torchrun itself.
+    """
+    import signal
+    import subprocess
+
     torchrun = shutil.which("torchrun") or None
     cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     cmd += ["--standalone", f"--nproc-per-node={args.nproc}"]
@@ -29,16 +37,52 @@ def launch_torchrun(args: argparse.Namespace, rest: list[str]) -> int:
         cmd += [f"--max-restarts={args.max_restarts}"]
     cmd += ["-m", "shardlm", "train", *rest] + (["--debug"] if args.debug else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    os.execvp(cmd[0], cmd)
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        workers = _children(proc.pid)
+        if len(received) > 1 or not workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            return
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            return proc.wait()
+        except InterruptedError:  # pragma: no cover - wait is retried by Python on EINTR
+            continue
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc; empty elsewhere)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+    return kids
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
 
+    config, overrides = _split_config(args.rest)
+    cfg = load_config(config, overrides)  # checked before any process is started
+    if args.dry_run:
+        from shardlm.dist import detect_launch
+        from shardlm.dryrun import dry_run
+
+        print(dry_run(cfg, args.nproc or detect_launch(launcher=cfg.parallel.launcher).world_size))
+        return 0
     if args.nproc and "TORCHELASTIC_RUN_ID" not in os.environ:
         return launch_torchrun(args, args.rest)
-    config, overrides = _split_config(args.rest)
-    cfg = load_config(config, overrides)
     from shardlm.train import train
 
     train(cfg)
@@ -89,8 +133,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from shardlm.config import load_config
     from shardlm.dist import detect_launch
     from shardlm.tune import report, tune
@@ -103,62 +145,105 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+REFERENCE = "config keys: the README's 'Config reference' (python -m shardlm.docs prints it)"
+TRAIN_EXAMPLES = """examples:
+  shardlm train                                      the defaults: a byte-level GPT on Tiny Shakespeare
+  shardlm train configs/gpt2_wikitext2.yaml --nproc 4
+  shardlm train configs/shakespeare_tiny.yaml train.max_steps=100 out_dir=runs/short
+  shardlm train CONFIG.yaml --dry-run                check config, data, model and plan; train nothing
+options, config files and key=value overrides mix in any order; later files and overrides win.
+"""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardlm", description="Train GPT-2-family models with PyTorch FSDP2.")
+    p = argparse.ArgumentParser(prog="shardlm", description="Train GPT-2-family models with PyTorch FSDP2.",
+                                epilog="shardlm COMMAND --help shows each command's options and examples.")
     p.add_argument("--version", action="version", version=f"shardlm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    def add(name: str, fn, help_: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help_, description=help_)
+    def add(name: str, fn, help_: str, epilog: str = "") -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_, epilog=epilog,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
         sp.add_argument("--debug", action="store_true", help="show full tracebacks")
         sp.set_defaults(fn=fn)
         return sp
 
-    t = add("train", cmd_train, "train or fine-tune: shardlm train [CONFIG.yaml] [key=value ...]")
+    def config_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("rest", nargs="*", metavar="CONFIG.yaml | key=value",
+                        help=f"config files (later win) and dotted overrides such as train.lr=1e-3; {REFERENCE}")
+
+    t = add("train", cmd_train, "train or fine-tune: shardlm train [CONFIG.yaml ...] [key=value ...]", TRAIN_EXAMPLES)
     t.add_argument("--nproc", type=int, default=0, help="launch N processes on this node with torchrun")
     t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts on failure")
-    t.add_argument("rest", nargs=argparse.REMAINDER, help="optional config file, then key=value overrides")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check the config, data, model and parallel plan, then exit without training")
+    config_args(t)
 
-    e = add("eval", cmd_eval, "evaluate a checkpoint, run dir or HF folder: shardlm eval PATH [data.val=...]")
-    e.add_argument("path")
+    e = add("eval", cmd_eval, "evaluate a checkpoint, run dir or HF folder: shardlm eval PATH [data.val=...]",
+            "examples:\n  shardlm eval runs/demo\n  shardlm eval runs/demo-hf data.val=valid.txt --stride 512\n")
+    e.add_argument("path", help="a checkpoint (checkpoints/step_N), a run dir (its newest checkpoint) or an "
+                                "exported Hugging Face folder")
     e.add_argument("--stride", type=int, default=0, help="sliding-window perplexity with this stride")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="e.g. data.val=FILE (default: the run's validation data), data.seq_len=N")
 
-    g = add("generate", cmd_generate, "sample text from a checkpoint, run dir or HF folder")
-    g.add_argument("path")
-    g.add_argument("--prompt", default="\n")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-samples", type=int, default=1)
+    g = add("generate", cmd_generate, "sample text from a checkpoint, run dir or HF folder",
+            "examples:\n  shardlm generate runs/demo --prompt 'ROMEO:' --max-new-tokens 300\n"
+            "  shardlm generate runs/demo-hf --prompt 'The' --temperature 0 (greedy)\n")
+    g.add_argument("path", help="a checkpoint, a run dir or an exported Hugging Face folder")
+    g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1.0 = off")
+    g.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same text")
+    g.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt")
 
-    x = add("export", cmd_export, "write a Hugging Face folder from a checkpoint or run dir")
-    x.add_argument("path")
-    x.add_argument("out_dir")
+    x = add("export", cmd_export, "write a Hugging Face folder from a checkpoint or run dir",
+            "example:\n  shardlm export runs/demo runs/demo-hf   # then transformers.pipeline(model='runs/demo-hf')\n")
+    x.add_argument("path", help="a checkpoint or a run dir (its newest checkpoint)")
+    x.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer to")
 
     es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG.yaml] [key=value]")
     es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
                     help="comma-separated world sizes to estimate for (default 1,2,4,8)")
-    es.add_argument("rest", nargs="*", help="optional config file, then key=value overrides")
+    config_args(es)
 
-    tu = add("tune", cmd_tune, "find the largest micro-batch and fastest FSDP setting: shardlm tune CONFIG")
+    tu = add("tune", cmd_tune, "the fastest micro-batch x grad_accum and FSDP setting at your global batch",
+             "example:\n  shardlm tune configs/shakespeare_tiny.yaml --budget-gb 4\n"
+             "  shardlm train configs/shakespeare_tiny.yaml runs/shakespeare/tuned.yaml\n")
     tu.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (required on CPU)")
     tu.add_argument("--steps", type=int, default=3, help="timed steps per feasible point")
-    tu.add_argument("--max-batch", type=int, default=256)
+    tu.add_argument("--max-batch", type=int, default=256, help="largest micro-batch tried")
     tu.add_argument("--out", default=None, help="YAML file for the best setting (default OUT_DIR/tuned.yaml)")
-    tu.add_argument("rest", nargs="*", help="optional config file, then key=value overrides")
+    config_args(tu)
 
-    pl = add("plot", cmd_plot, "plot metrics of one or more run dirs to PNG files")
-    pl.add_argument("runs", nargs="+")
-    pl.add_argument("--out", default=None, help="folder for the PNGs (default: the first run dir)")
+    pl = add("plot", cmd_plot, "plot metrics of one or more run dirs to PNG files",
+             "example:\n  shardlm plot runs/demo runs/short   # PNGs in runs/demo/plots/\n")
+    pl.add_argument("runs", nargs="+", help="run dirs (out_dir of training runs); several are overlaid")
+    pl.add_argument("--out", default=None, help="folder for the PNGs (default: FIRST_RUN/plots)")
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options, config files and overrides in any order, as users type them (`train CFG --nproc 4 a=b`)."""
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-")]
+    target = "rest" if hasattr(args, "rest") else "overrides" if hasattr(args, "overrides") else None
+    if unknown or (extra and target is None):
+        p.error(f"unrecognized arguments for 'shardlm {args.command}': {' '.join(unknown or extra)} "
+                f"(see shardlm {args.command} --help)")
+    if target:
+        setattr(args, target, [*getattr(args, target), *extra])
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.debug:  # transformers' "Loading weights" / "Writing model shards" bars: `\r` noise in logs
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if not args.debug:  # transformers imports torchao when installed: its CUDA-extension and pytree notices
         for name in ("torchao", "torch.utils._pytree"):  # say nothing a shardlm user can act on
             logging.getLogger(name).setLevel(logging.ERROR)

@@ -1,0 +1,71 @@
+"""`shardlm train CONFIG --dry-run`: every check a run makes before its first step, without the work.
+
+The config is validated, the data specs resolved (files found; Hugging Face datasets named, not
+downloaded), the tokenizer and the model's config read, the parameters counted on the `meta` device and
+the parallel plan checked for the world size the run would have. Nothing is written: no out_dir, no cache.
+A hub name that cannot be reached offline is reported as such rather than failed, so a config written for
+a networked machine still validates here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from shardlm import ShardlmError
+from shardlm.config import Config
+
+
+def _data_line(name: str, spec: str | None, default_split: str) -> str:
+    from shardlm.data.sources import resolve
+
+    if spec is None:
+        return f"{name}: none (the tail of the training data is held out)"
+    source = resolve(spec, default_split)
+    if source.hf:
+        repo, config, split = source.hf
+        return f"{name}: Hugging Face dataset {repo}" + (f"/{config}" if config else "") + f", split {split}" \
+            " (not downloaded by a dry run)"
+    size = sum(p.stat().st_size for p in source.files)
+    return f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB"
+
+
+def _model_lines(cfg: Config) -> list[str]:
+    from shardlm.hub import hub_reachable
+    from shardlm.model import empty_model, model_config, num_params
+    from shardlm.tokenizer import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
+        hf_cfg = model_config(cfg, tokenizer)
+    except ShardlmError as e:
+        names = [n for n in dict.fromkeys((cfg.model.name, cfg.model.tokenizer))
+                 if n and n != "bytes" and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", n)
+                 and not Path(n).expanduser().exists()]
+        if names and not hub_reachable() and "cannot be reached" in str(e):
+            return [f"model: {cfg.model.name or 'from scratch'}; not checked: {', '.join(names)} is a hub name, "
+                    "the Hub cannot be reached and it is not in the local HF cache (it downloads when online)"]
+        raise
+    n = num_params(empty_model(hf_cfg, "meta"))
+    what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
+    return [f"model: {what}, {n / 1e6:.2f}M parameters; tokenizer {cfg.model.tokenizer}, {len(tokenizer)} tokens"]
+
+
+def dry_run(cfg: Config, world_size: int) -> str:
+    from shardlm.dist import pick_device
+    from shardlm.parallel import plan
+
+    device = pick_device(cfg.parallel.device, 0) if cfg.parallel.device != "auto" else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    pl = plan(cfg, world_size, world_size, device)
+    lines = [_data_line("data.train", cfg.data.train, "train"), _data_line("data.val", cfg.data.val, "validation"),
+             *_model_lines(cfg),
+             f"plan: {world_size} rank(s) on {device.type}, "
+             + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")
+             + f", {cfg.parallel.precision}, compile {pl.compile}",
+             f"global batch: {world_size} x {cfg.train.batch_size} x {cfg.train.grad_accum} blocks of "
+             f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
+             "dry run: the config is valid; nothing was trained or written"]
+    return "\n".join(lines)
