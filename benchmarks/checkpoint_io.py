@@ -32,12 +32,13 @@ def worker(out_dir: str, mode: str) -> None:
     from shardlm.build import build_model, build_optimizer, init_dist
     from shardlm.checkpoint import Checkpointer
     from shardlm.config import load_config
+    from shardlm.model import model_config
     from shardlm.tokenizer import load_tokenizer
 
     cfg = load_config(None, ["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.n_positions=1024",
                              "model.tokenizer=gpt2", "data.seq_len=64", f"out_dir={out_dir}"])
     d, pl = init_dist(cfg)
-    model, _ = build_model(cfg, load_tokenizer("gpt2"), pl, d)
+    model = build_model(cfg, model_config(cfg, load_tokenizer("gpt2")), pl, d)
     opt, _ = build_optimizer(model, cfg, d.device, 10)
     tokens = torch.randint(0, 50257, (1, 65), device=d.device)
     loss, _ = model(tokens[:, :-1], tokens[:, 1:])

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm import dist as dist_mod
-from shardlm.config import Config, save_config
+from shardlm.config import Config
 from shardlm.data import TokenBlocks, prepare_data
 from shardlm.dist import Dist
 from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
@@ -37,16 +37,17 @@ class Run:
     out_dir: Path
 
 
-def prepare_out_dir(path: str) -> Path:
+def check_out_dir(path: str) -> Path:
+    """`out_dir` as a Path, checked but not created: a command that fails before training leaves nothing
+    behind (the folder is made by the first thing a run writes)."""
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"out_dir '{out}' is a file, not a folder. Choose another out_dir.")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ShardlmError(f"cannot create out_dir '{out}': {e.strerror}. Choose a writable out_dir.") from None
-    if not os.access(out, os.W_OK):
-        raise ShardlmError(f"out_dir '{out}' is not writable. Choose a writable out_dir.")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ShardlmError(f"cannot create out_dir '{out}': '{existing}' is a file. Choose another out_dir.")
+    if not os.access(existing, os.W_OK):
+        raise ShardlmError(f"out_dir '{out}' is not writable ('{existing}' is not). Choose a writable out_dir.")
     return out
 
 
@@ -80,8 +81,7 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> N
             torch.distributed.broadcast(buf, src=0)
 
 
-def build_model(cfg: Config, tokenizer, pl: Plan, dist: Dist) -> tuple[CausalLM, object]:
-    hf_cfg = model_config(cfg, tokenizer)
+def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
                             dist.device, compiled=pl.compile == "model")
     if pl.use_fsdp:
@@ -91,7 +91,7 @@ def build_model(cfg: Config, tokenizer, pl: Plan, dist: Dist) -> tuple[CausalLM,
     else:
         model = CausalLM(initial_model(cfg, hf_cfg, cfg.train.seed), chunk).to(dist.device)
         parallelize(model, cfg, pl, dist)
-    return model, hf_cfg
+    return model
 
 
 def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, total_steps: int):
@@ -128,14 +128,15 @@ def count_steps(cfg: Config, train: TokenBlocks, world: int) -> int:
 
 
 def build(cfg: Config) -> Run:
+    """Checks that need no data (out_dir, tokenizer, the model's config against data.seq_len) come before
+    tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
-    out = d.run_on_main(lambda: str(prepare_out_dir(cfg.out_dir)))
-    if d.is_main:
-        save_config(cfg, Path(out) / "config.yaml")
+    out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
     tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
+    hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)
     total = count_steps(cfg, train, d.world_size)
     torch.manual_seed(cfg.train.seed)
-    model, hf_cfg = build_model(cfg, tokenizer, pl, d)
+    model = build_model(cfg, hf_cfg, pl, d)
     optimizer, scheduler = build_optimizer(model, cfg, d.device, total)
-    return Run(cfg, d, pl, tokenizer, hf_cfg, model, optimizer, scheduler, train, val, total, Path(out))
+    return Run(cfg, d, pl, tokenizer, hf_cfg, model, optimizer, scheduler, train, val, total, out)

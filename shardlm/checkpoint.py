@@ -129,8 +129,7 @@ class Checkpointer:
         self.pending: tuple | None = None  # (future, tmp, final) of an async save
         self.signal_received = False
         self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
-        if self.dist.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:  # the folder itself is made by the first save
             for stale in self.root.glob("*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
         self._install_signal_handlers()

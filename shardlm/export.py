@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shardlm import ShardlmError
 from shardlm.load import is_hf_folder, load_for_inference
+from shardlm.model import context_length
 
 
 def _check_target(out: Path) -> None:
@@ -33,8 +34,9 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB") -
         eos = tokenizer.eos_token_id
         model.config.bos_token_id = model.config.eos_token_id = eos
         model.config.use_cache = True
+        positions = context_length(model.config) or 200  # a pipeline() call must not run past the positions
         model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                                                   do_sample=True, max_new_tokens=100)
+                                                   do_sample=True, max_new_tokens=min(100, positions // 2))
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(str(tmp))
     except OSError as e:

@@ -58,6 +58,8 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool):
         self.enabled = enabled
+        if enabled:
+            out_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(out_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
         self.tb = None
         if enabled and tensorboard:
@@ -132,12 +134,13 @@ class Progress:
 
     def __init__(self, total: int, mode: str, enabled: bool, initial: int = 0):
         self.enabled = enabled and mode != "none" and total > 0
+        self.total, self.began = total, time.time()
         self.bar = None
         if self.enabled and (mode == "bar" or (mode == "auto" and sys.stdout.isatty())):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stdout,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}")
 
     def update(self, step: int, fields: dict[str, str]) -> None:
         if not self.enabled:
@@ -147,7 +150,7 @@ class Progress:
             self.bar.n = step
             self.bar.set_postfix_str(text, refresh=True)
         else:
-            print(f"step {step} {text}", flush=True)
+            print(f"step {step}/{self.total} {text} elapsed {fmt_time(time.time() - self.began)}", flush=True)
 
     def write(self, line: str) -> None:
         if not self.enabled:

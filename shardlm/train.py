@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
 from shardlm.build import build
 from shardlm.checkpoint import Checkpointer
-from shardlm.config import Config
+from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
 from shardlm.generate import gather_hf_model, generate_text
 from shardlm.trainer import Trainer
 
@@ -13,9 +17,18 @@ def train(cfg: Config) -> dict:
     run = build(cfg)
     checkpointer = Checkpointer(run)
     trainer = Trainer(run, checkpointer)
-    checkpointer.maybe_resume(trainer)
+    resumed = checkpointer.maybe_resume(trainer)
+    if resumed and trainer.step >= run.total_steps > 0:
+        run.dist.print(f"nothing to train: {resumed} is step {trainer.step} and this config ends at step "
+                       f"{run.total_steps}. To train further raise train.max_steps (or train.epochs); to start "
+                       "over use a new out_dir or checkpoint.resume=none.")
+        return {"val": None, "steps": trainer.step, "wall_s": 0.0}
+    if run.dist.is_main:
+        record_config(cfg, run.out_dir, run.dist.print)
     result = trainer.fit()
     if trainer.stop_requested:
+        run.dist.print(f"saved step {trainer.step} to {run.out_dir / 'checkpoints'}; rerun the same command to "
+                       "resume")
         return result
     run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}; "
                    f"checkpoints: {run.out_dir / 'checkpoints'})")
@@ -33,3 +46,23 @@ def train(cfg: Config) -> dict:
                                  temperature=0.8, top_k=200, seed=cfg.train.seed)[0]
             print(f"---- sample ({cfg.train.sample_tokens} tokens) ----\n{text}\n----", flush=True)
     return result
+
+
+def record_config(cfg: Config, out_dir: Path, log=print) -> None:
+    """Write `config.yaml` once training starts. A changed config of an earlier invocation is kept as
+    `config.N.yaml` (N = 1, 2, ...) and the change is printed, so a run folder tells its whole history."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "config.yaml"
+    if path.is_file():
+        before = to_flat_dict(config_from_dict(yaml.safe_load(path.read_text()) or {}))
+        now = to_flat_dict(cfg)
+        changed = {k: (before.get(k), v) for k, v in now.items() if before.get(k) != v}
+        if not changed:
+            return
+        n = 1 + max((int(p.stem.split(".")[1]) for p in out_dir.glob("config.*.yaml")
+                     if p.stem.split(".")[1].isdigit()), default=0)
+        path.rename(out_dir / f"config.{n}.yaml")
+        log("config changed since the last invocation (previous kept as "
+            f"config.{n}.yaml): " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    save_config(cfg, path)
+

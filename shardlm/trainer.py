@@ -178,7 +178,7 @@ class Trainer:
         timer, interval_time, interval_steps = StepTimer(), 0.0, 0
         acc_loss = torch.zeros(1, device=self.device, dtype=torch.float64)
         last_val: dict | None = None
-        start_wall = time.time()
+        start_wall, start_step = time.time(), self.step
         evals_left = lambda: (total - self.step) // t.eval_every if t.eval_every else 0  # noqa: E731
         while self.step < total and not self.stop_requested:
             out = self.train_step()
@@ -231,9 +231,13 @@ class Trainer:
         progress.close()
         log.close()
         wall = time.time() - start_wall
-        d.print(f"done: {self.step} steps in {fmt_time(wall)}"
-                + (f", val loss {last_val['loss']:.4f} ppl {last_val['ppl']:.2f} "
-                   f"accuracy {last_val['accuracy']:.3f}" if last_val else ""))
+        if not self.stop_requested:
+            n = self.step - start_step
+            this = f"{n} step{'s' * (n != 1)} in {fmt_time(wall)}"
+            d.print(f"done: {this}" if not start_step else f"done: step {self.step}/{total}; this invocation: {this}"
+                    f" (resumed at step {start_step})", end="")
+            d.print(f", val loss {last_val['loss']:.4f} ppl {last_val['ppl']:.2f} accuracy {last_val['accuracy']:.3f}"
+                    if last_val else "")
         return {"val": last_val, "steps": self.step, "wall_s": wall}
 
     def _eval_and_log(self, log: MetricsLog, progress: Progress, eta: Eta) -> dict:
