@@ -5,8 +5,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# On machines without CUDA, pin the CPU build of torch first so pip does not pull a multi-GB CUDA build.
+# torch is installed first, and only when the venv has none (a GPU machine's torch is kept). Without an
+# NVIDIA GPU it comes from PyTorch's CPU wheel index, so pip does not pull a multi-GB CUDA build and ~20
+# nvidia-* packages; where that index cannot be reached (a mirror-only machine) the default index is used.
 TORCH ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install demo test lint clean gpu-check
 
@@ -14,7 +17,11 @@ $(PY):
 	python3 -m venv $(VENV)
 
 install: $(PY)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	@$(PY) -c "import torch" 2>/dev/null || { \
+	  if command -v nvidia-smi >/dev/null 2>&1; then echo "installing $(TORCH) (CUDA build)"; $(PIP) install -q "$(TORCH)"; \
+	  elif $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" 2>/dev/null; then \
+	    echo "installing $(TORCH) from $(TORCH_CPU_INDEX)"; $(PIP) install -q "$(TORCH)" --index-url $(TORCH_CPU_INDEX); \
+	  else echo "installing $(TORCH) from the default index ($(TORCH_CPU_INDEX) unreachable)"; $(PIP) install -q "$(TORCH)"; fi; }
 	$(PIP) install -q -e ".[test]"
 
 demo: install

@@ -150,3 +150,25 @@ def test_export_generate_eval_round_trip(corpus, cache_dir, tmp_path):
     stride = json.loads(shardlm_cli(["eval", str(hf), *val, "--stride", "8"]).stdout.splitlines()[-1])
     assert stride["tokens"] >= eval_hf["tokens"]
     assert stride["loss"] < eval_hf["loss"]  # every token sees >= 24 tokens of context, not 0..31
+
+
+def test_ctrl_c_under_nproc_saves_and_exits_zero_with_one_line(corpus, cache_dir, tmp_path):
+    """The user's path: `shardlm train --nproc 2`, Ctrl-C (SIGINT to the terminal's process group)."""
+    cmd = [sys.executable, "-m", "shardlm", "train", "--nproc", "2",
+           *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 100000})]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").exists() or len(records(tmp_path)) < 2:
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "SignalException" not in out
+    step = json.loads((newest_complete(tmp_path / "checkpoints") / "trainer_state.json").read_text())["step"]
+    assert f"saved step {step} to" in out and "rerun the same command to resume" in out

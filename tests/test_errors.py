@@ -96,6 +96,20 @@ def test_cli_errors_are_one_line_exit_2(corpus, cache_dir, tmp_path, extra, mess
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error:")
+    assert not (tmp_path / "run").exists()  # a failed command leaves no empty run folder behind
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bad.yaml"], "error: config file 'bad.yaml' is not valid YAML: expected ',' or ']', but got ':' at line 3"),
+    (["data.train=tiny.txt", "data.seq_len=512", "model.n_positions=256"],  # and a 2-byte corpus
+     "error: data.seq_len=512 exceeds model.n_positions=256: lower data.seq_len or raise model.n_positions."),
+])
+def test_config_errors_come_first_in_one_line(tmp_path, args, message):
+    (tmp_path / "bad.yaml").write_text("train:\n  lr: [1, 2\n  x: 3\n")
+    (tmp_path / "tiny.txt").write_text("hi")
+    proc = shardlm_cli(["train", *args, "out_dir=run", "data.cache_dir=cache"], check=False, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(message) and "\n" not in proc.stderr.strip()
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()  # nothing read or written
 
 
 def test_out_dir_that_is_a_file(corpus, cache_dir, tmp_path):
@@ -105,13 +119,21 @@ def test_out_dir_that_is_a_file(corpus, cache_dir, tmp_path):
     assert (tmp_path / "file").read_text() == "precious"
 
 
-def test_resume_with_another_architecture_names_the_difference(corpus, cache_dir, tmp_path):
+def test_failed_or_finished_commands_leave_a_run_folder_as_it_was(corpus, cache_dir, tmp_path):
+    """A bad resume, a missing data path and a resume past the last step change no byte of the run; a
+    resume with a changed config keeps the earlier config and counts this invocation's steps apart."""
     shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 2})])
-    metrics_before = (tmp_path / "metrics.jsonl").read_text()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"model.n_layer": 3})], check=False)
     assert proc.returncode == 2 and "n_layer: checkpoint 2 vs config 3" in proc.stderr
-    assert (tmp_path / "checkpoints" / "step_000000002" / "manifest.json").is_file()
-    assert (tmp_path / "metrics.jsonl").read_text() == metrics_before
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"data.train": "/missing.txt"})], check=False)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 2})])
+    assert "nothing to train" in proc.stdout and "raise train.max_steps" in proc.stdout
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 3})])
+    assert "train.max_steps 2 -> 3" in proc.stdout and "done: step 3/3; this invocation: 1 step in" in proc.stdout
+    assert (tmp_path / "config.1.yaml").read_bytes() == before[tmp_path / "config.yaml"]
 
 
 def test_disk_full_while_saving_keeps_earlier_checkpoints(corpus, cache_dir, tmp_path, monkeypatch):

@@ -1,0 +1,107 @@
+"""The README's commands run as written, so a README command that breaks fails CI; every bundled config
+validates with `shardlm train CONFIG --dry-run`.
+
+Each `shardlm train`/`tune` command gets tiny overrides appended (a small corpus and model, 10 steps): the
+command's own options, files and keys are what is tested, not the training. Process counts above 2 are
+lowered to 2 to fit a 2-core CI machine. `tensorboard` (a server) is not started; its log folder is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, tiny
+from shardlm.cli import cmd_train, parse_args
+from shardlm.config import load_config, to_flat_dict
+
+README = ROOT / "README.md"
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def readme_commands() -> list[list[str]]:
+    """Every line of the README's bash blocks except the first block (`make demo` / `make test`)."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)[1:]
+    return [argv for block in blocks for line in block.splitlines() if (argv := shlex.split(line, comments=True))]
+
+
+def demo_command() -> list[str]:
+    """`make demo`'s recipe line, which the tour starts from."""
+    recipe = re.search(r"^demo:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    return shlex.split(recipe.replace("$(VENV)/bin/", ""))
+
+
+def runnable(argv: list[str], small: list[str]) -> list[str] | None:
+    argv = [re.sub(r"^(--nproc(?:_per_node|-per-node)?[= ]?)([3-9]|\d\d+)$", r"\g<1>2", a) for a in argv]
+    argv = [a if i == 0 or not argv[i - 1].startswith("--nproc") or int(a) <= 2 else "2"
+            for i, a in enumerate(argv)] if any(a.startswith("--nproc") for a in argv) else argv
+    head, rest = argv[0], argv[1:]
+    if head == "tensorboard":
+        return None
+    if head in ("shardlm", "torchrun"):
+        launcher = ["-m", "shardlm"] if head == "shardlm" else ["-m", "torch.distributed.run"]
+        cmd = [sys.executable, *launcher, *rest]
+        if "train" in rest:
+            cmd += small
+        if rest[0] == "tune":
+            cmd += [*small, "--max-batch", "4", "--steps", "1", "train.batch_size=4"]
+        return cmd
+    if head == "python":
+        return [sys.executable, *rest]
+    raise AssertionError(f"README command of an unknown program: {shlex.join(argv)}")
+
+
+def test_readme_commands_run_as_written(corpus, cache_dir, tmp_path):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    small = [a for a in tiny(corpus, cache_dir, "unused") if not a.startswith("out_dir=")]
+    small += ["model.name=null", "model.tokenizer=bytes", "data.val=null", "parallel.precision=fp32",
+              "train.grad_accum=1", "checkpoint.async=false", "log.tensorboard=true"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    ran = []
+    for argv in [demo_command(), *readme_commands()]:
+        cmd = runnable(argv, small)
+        if cmd is None:
+            assert (tmp_path / argv[-1]).is_dir(), f"{shlex.join(argv)}: no such log folder"
+            continue
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"README command failed: {shlex.join(argv)}\n{proc.stdout}\n{proc.stderr}"
+        ran.append(argv[:2])
+    assert len(ran) >= 10
+    assert sorted(p.name for p in (tmp_path / "runs" / "demo" / "plots").glob("loss*.png"))
+
+
+def test_plain_train_is_the_shakespeare_config():
+    """The README says plain `shardlm train` trains configs/shakespeare_tiny.yaml (into runs/default)."""
+    bundled = to_flat_dict(load_config(str(ROOT / "configs" / "shakespeare_tiny.yaml")))
+    defaults = to_flat_dict(load_config(None))
+    defaults["model.n_positions"] = defaults["model.n_positions"] or defaults["data.seq_len"]  # null = seq_len
+    assert {k: v for k, v in bundled.items() if k != "out_dir"} == {k: v for k, v in defaults.items()
+                                                                      if k != "out_dir"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
+def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    extra = []
+    if "my_corpus" in str(yaml.safe_load(config.read_text()).get("data", {}).get("train")):
+        (tmp_path / "corpus.csv").write_text('text\n"hello world"\n')
+        extra = [f"data.train={tmp_path / 'corpus.csv'}"]
+    assert cmd_train(parse_args(["train", str(config), "--dry-run", "--nproc", "2", *extra])) == 0
+    out = capsys.readouterr().out
+    assert "dry run: the config is valid" in out and "plan: 2 rank(s)" in out
+
+
+def test_options_overrides_and_files_mix_in_any_order(capsys):
+    args = parse_args(["train", "a.yaml", "--nproc", "4", "train.lr=1", "--debug", "b.yaml", "out_dir=x"])
+    assert (args.nproc, args.debug, args.rest) == (4, True, ["a.yaml", "train.lr=1", "b.yaml", "out_dir=x"])
+    assert parse_args(["eval", "runs/x", "--stride", "8", "data.val=v.txt"]).overrides == ["data.val=v.txt"]
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["train", "a.yaml", "--nprocs", "4"])
+    assert exit_.value.code == 2 and "unrecognized arguments for 'shardlm train': --nprocs" in capsys.readouterr().err
