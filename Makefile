@@ -1,4 +1,4 @@
-# make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~4 min on 2 CPU cores)
+# make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~5 min on 2 CPU cores)
 # make test: fresh venv, install, run the test suite
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
@@ -11,7 +11,7 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install demo test lint clean gpu-check
+.PHONY: install install-test demo test lint clean gpu-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,16 +22,21 @@ install: $(PY)
 	  elif $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)" 2>/dev/null; then \
 	    echo "installing $(TORCH) from $(TORCH_CPU_INDEX)"; $(PIP) install -q "$(TORCH)" --index-url $(TORCH_CPU_INDEX); \
 	  else echo "installing $(TORCH) from the default index ($(TORCH_CPU_INDEX) unreachable)"; $(PIP) install -q "$(TORCH)"; fi; }
+	$(PIP) install -q -e .
+
+# The test extras add torchao (fp8 tests), whose import prints notices in any script that imports
+# transformers: the demo's venv stays without it.
+install-test: install
 	$(PIP) install -q -e ".[test]"
 
 demo: install
 	$(VENV)/bin/shardlm train out_dir=runs/demo
 
-test: install
+test: install-test
 	$(PY) -m ruff check shardlm tests benchmarks
 	$(PY) -m pytest
 
-lint: install
+lint: install-test
 	$(PY) -m ruff check shardlm tests benchmarks
 
 gpu-check:

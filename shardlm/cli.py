@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -17,57 +15,6 @@ from shardlm import ShardlmError, __version__
 def _split_config(rest: list[str]) -> tuple[list[str], list[str]]:
     """Arguments with `=` are overrides, the others config files (later ones win); each keeps its order."""
     return [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
-
-
-def launch_torchrun(args: argparse.Namespace, rest: list[str]) -> int:
-    """`shardlm train --nproc N ...` runs itself under torchrun on this node.
-
-    torchrun answers Ctrl-C with a traceback, exit code 1 and SIGKILL for its workers 30 s later, which
-    would cut a large model's save in half. So torchrun runs in its own session, out of the terminal's
-    reach, and a SIGINT/SIGTERM sent here goes straight to the workers: they finish the step, save and
-    exit 0, and so does torchrun. A second signal stops torchrun itself.
-    """
-    import signal
-    import subprocess
-
-    torchrun = shutil.which("torchrun") or None
-    cmd = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc-per-node={args.nproc}"]
-    if args.max_restarts:
-        cmd += [f"--max-restarts={args.max_restarts}"]
-    cmd += ["-m", "shardlm", "train", *rest] + (["--debug"] if args.debug else [])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    received: list[int] = []
-
-    def forward(signum, _frame):
-        received.append(signum)
-        workers = _children(proc.pid)
-        if len(received) > 1 or not workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            return
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    while True:
-        try:
-            return proc.wait()
-        except InterruptedError:  # pragma: no cover - wait is retried by Python on EINTR
-            continue
-
-
-def _children(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (Linux /proc; empty elsewhere)."""
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(stat.parent.name))
-    return kids
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -82,7 +29,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(dry_run(cfg, args.nproc or detect_launch(launcher=cfg.parallel.launcher).world_size))
         return 0
     if args.nproc and "TORCHELASTIC_RUN_ID" not in os.environ:
-        return launch_torchrun(args, args.rest)
+        from shardlm.launch import launch
+
+        return launch(args.nproc, args.max_restarts, args.rest, args.debug)
     from shardlm.train import train
 
     train(cfg)

@@ -140,7 +140,7 @@ class Progress:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, file=sys.stdout,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}")
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
 
     def update(self, step: int, fields: dict[str, str]) -> None:
         if not self.enabled:

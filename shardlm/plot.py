@@ -65,7 +65,10 @@ def read_metrics(run: Path) -> list[dict]:
 
 
 def run_device(run: Path, records: list[dict]) -> str | None:
-    # NVML fields and MFU (known peak FLOPs) are only logged on CUDA; their absence proves nothing
+    """Train records name their device; older runs: NVML fields and MFU are only logged on CUDA, else
+    the config's parallel.device when it is not `auto`."""
+    if (named := next((r["device"] for r in records if r.get("device") in ("cpu", "cuda")), None)):
+        return named
     if any("gpu_util" in r or "gpu_mem_used_gb" in r or r.get("mfu") is not None for r in records):
         return "cuda"
     import yaml

@@ -205,7 +205,7 @@ class Trainer:
                           "tokens": self.position * self.seq_len, "tokens_per_s": tps,
                           "mfu": (self.flops_per_token * tps / (self.peak_flops * d.world_size)
                                   if self.peak_flops else None),
-                          "peak_mem_gb": peak_memory_bytes(self.device) / 1e9,
+                          "peak_mem_gb": peak_memory_bytes(self.device) / 1e9, "device": self.device.type,
                           "skipped_steps": self.skipped_steps, "time_s": time.time() - start_wall,
                           **gpu_utilization(self.device)}
                 log.write(record)

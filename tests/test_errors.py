@@ -1,7 +1,6 @@
 """Bad input: one clear message naming the problem and the fix, exit code 2, no traceback, nothing lost.
 The catalogue lives in docs/errors.md; data and config cases are also in test_data.py / test_config.py."""
 
-import json
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ from shardlm.config import load_config
 from shardlm.metrics import Eta
 from shardlm.model import model_config
 from shardlm.parallel import plan
-from shardlm.plot import plot_runs
 from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 CPU = torch.device("cpu")
@@ -99,6 +97,14 @@ def test_cli_errors_are_one_line_exit_2(corpus, cache_dir, tmp_path, extra, mess
     assert not (tmp_path / "run").exists()  # a failed command leaves no empty run folder behind
 
 
+def test_a_failed_rank_under_nproc_is_one_line(corpus, cache_dir, tmp_path):
+    """`shardlm train --nproc 2` with bad input: the rank's one-line error, not torchrun's failure report."""
+    args = tiny(corpus, cache_dir, tmp_path / "run", **{"data.train": "/missing.txt"})
+    proc = shardlm_cli(["train", "--nproc", "2", *args], check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: data path '/missing.txt' does not exist")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["bad.yaml"], "error: config file 'bad.yaml' is not valid YAML: expected ',' or ']', but got ':' at line 3"),
     (["data.train=tiny.txt", "data.seq_len=512", "model.n_positions=256"],  # and a 2-byte corpus
@@ -169,22 +175,6 @@ def test_eta_lands_within_15_percent_with_warmup_evals_and_saves():
             truth = sum(durations[step:]) + evals_left * 1.0 + saves_left * 0.5
             if step >= 10:  # once an eval and a save have been seen
                 assert eta.remaining(step, evals_left, saves_left) == pytest.approx(truth, rel=0.15)
-
-
-def test_plot_writes_pngs_and_overlays_runs(tmp_path):
-    for name, scale in (("a", 1.0), ("b", 0.9)):
-        run = tmp_path / name
-        run.mkdir()
-        lines = [{"step": s, "split": "train", "loss": scale * 5 / s, "lr": 1e-3, "tokens": s * 100,
-                  "tokens_per_s": 1000.0, "peak_mem_gb": 1.0} for s in range(1, 11)]
-        lines += [{"step": 10, "split": "val", "loss": 1.0, "ppl": 2.7, "accuracy": 0.3, "tokens_seen": 1000}]
-        (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
-    paths = plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "plots"))
-    assert {p.name for p in paths} >= {"loss_vs_step.png", "loss_vs_tokens.png", "val_perplexity.png",
-                                       "learning_rate.png", "throughput.png", "memory.png"}
-    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
-    with pytest.raises(ShardlmError, match="no metrics.jsonl"):
-        plot_runs([str(tmp_path)])
 
 
 @pytest.fixture

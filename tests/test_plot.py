@@ -1,10 +1,11 @@
-"""`shardlm plot`: what the figures show, checked on the matplotlib artists (PNG smoke test: test_errors.py)."""
+"""`shardlm plot`: what the figures show, checked on the matplotlib artists and a PNG smoke test."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from shardlm import ShardlmError
 from shardlm.plot import PANELS, draw, load_runs, plot_runs
 
 PANEL = {p.file: p for p in PANELS}
@@ -58,3 +59,19 @@ def test_memory_in_gib_says_what_each_run_measures(tmp_path):
         "cuda/run: peak allocated by PyTorch (CUDA)": [1.0],
         "cuda/run: GPU memory used (NVML)": [2.0],
         "other: peak memory (process RSS on CPU, allocated on GPU)": [1.0]}
+
+
+def test_plot_writes_pngs_and_overlays_runs(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 0.9)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"step": s, "split": "train", "loss": scale * 5 / s, "lr": 1e-3, "tokens": s * 100,
+                  "tokens_per_s": 1000.0, "peak_mem_gb": 1.0} for s in range(1, 11)]
+        lines += [{"step": 10, "split": "val", "loss": 1.0, "ppl": 2.7, "accuracy": 0.3, "tokens_seen": 1000}]
+        (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    paths = plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "plots"))
+    assert {p.name for p in paths} >= {"loss_vs_step.png", "loss_vs_tokens.png", "val_perplexity.png",
+                                       "learning_rate.png", "throughput.png", "memory.png"}
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    with pytest.raises(ShardlmError, match="no metrics.jsonl"):
+        plot_runs([str(tmp_path)])

@@ -1,0 +1,99 @@
+"""`shardlm train --nproc N`: torchrun on this node, with the user's terminal in mind.
+
+Two processes stand between the user and the ranks. This one (the `shardlm` command) starts torchrun in a
+session of its own, out of the terminal's reach, and forwards SIGINT/SIGTERM straight to the ranks: they
+finish the step, save and exit 0, and so does everything above them. torchrun left to itself answers
+Ctrl-C with a traceback, exit code 1 and SIGKILL for the ranks 30 s later, which would cut a large
+model's save in half. A second signal stops torchrun itself.
+
+The torchrun agent is `torch.distributed.run` itself, run by `main` below so a failed rank ends in one line
+(the rank's own `error: ...` is already above it) instead of torchrun's 40-line failure report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def launch(nproc: int, max_restarts: int, train_args: list[str], debug: bool) -> int:
+    cmd = [sys.executable, "-m", "shardlm.launch", "--standalone", f"--nproc-per-node={nproc}"]
+    if max_restarts:
+        cmd += [f"--max-restarts={max_restarts}"]
+    cmd += ["-m", "shardlm", "train", *train_args] + (["--debug"] if debug else [])
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if not debug and not max_restarts:  # with restarts, torchrun's notes on each attempt are worth reading
+        env.setdefault("LOGLEVEL", "CRITICAL")  # torchrun's agent logs: its failure report, SIGTERM notices
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        ranks = child_pids(proc.pid)
+        if len(received) > 1 or not ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            return
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code < 0:  # torchrun itself was killed: its ranks must not outlive it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        print(f"error: torchrun was killed by {signal.Signals(-code).name}; checkpoints saved so far are intact, "
+              "rerun the same command to resume.", file=sys.stderr, flush=True)
+        return 1
+    return code
+
+
+def child_pids(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc; empty elsewhere, where signals go to the group)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+    return kids
+
+
+def main(argv: list[str]) -> int:
+    """torchrun's own `run`; a failed rank becomes one line and that rank's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    if os.environ.get("LOGLEVEL") == "CRITICAL":  # not every elastic logger reads LOGLEVEL
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("torch.distributed.elastic"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        killed = {r: f for r, f in e.failures.items() if f.exitcode < 0}  # the others died of broken collectives
+        rank, failure = min(killed.items(), key=lambda kv: kv[1].timestamp) if killed else e.get_first_failure()
+        if failure.exitcode < 0:
+            print(f"error: rank {rank} was killed by {failure.signal_name()} (out of memory, or killed by the "
+                  "job scheduler?). Checkpoints saved so far are intact; rerun the same command to resume.",
+                  file=sys.stderr, flush=True)
+            return 1
+        if failure.exitcode != 2:  # 2: a shardlm error, already printed by rank 0
+            print(f"error: rank {rank} failed with exit code {failure.exitcode} (its output is above).",
+                  file=sys.stderr, flush=True)
+        return failure.exitcode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
