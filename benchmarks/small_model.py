@@ -79,11 +79,11 @@ def run_minimal(args) -> dict:
     from shardlm.data import GlobalSampler, eval_shares, prepare_data
     from shardlm.dist import Dist, LaunchInfo
     from shardlm.model import model_config
-    from shardlm.tokenizer import load_tokenizer
+    from shardlm.tokenizer import model_tokenizer
 
     cfg = load_config(None, overrides(args, "/tmp/unused"))
     t = cfg.train
-    tok = load_tokenizer(cfg.model.tokenizer)
+    tok = model_tokenizer(cfg.model)
     train, val = prepare_data(cfg.data, tok, Dist(LaunchInfo("single"), torch.device("cpu")))
     order = GlobalSampler(len(train), t.seed).indices(0, BATCH * args.steps)
     batches = train.get(order).view(args.steps, BATCH, SEQ + 1)  # the same blocks, in the same order

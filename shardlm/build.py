@@ -18,7 +18,7 @@ from shardlm.data import TokenBlocks, prepare_data
 from shardlm.dist import Dist
 from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
 from shardlm.parallel import Plan, parallelize, plan
-from shardlm.tokenizer import load_tokenizer
+from shardlm.tokenizer import model_tokenizer
 
 
 @dataclass
@@ -132,7 +132,7 @@ def build(cfg: Config) -> Run:
     tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
-    tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
+    tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)
     total = count_steps(cfg, train, d.world_size)

@@ -40,13 +40,26 @@ CHOICE_HINTS = {"parallel.sharding": " ZeRO / FSDP1 names work too: zero3 or FUL
 @dataclass
 class ModelConfig:
     name: str | None = None  # hub name or local HF folder; None = from scratch
+    arch: str = "gpt2"  # from scratch: an HF model_type (gpt2, llama, qwen2, mistral, ...)
     n_layer: int = 4  # transformer blocks (from scratch)
     n_head: int = 4  # attention heads (from scratch)
+    n_kv_head: int | None = None  # key/value heads for grouped-query attention (from scratch); None = n_head
     n_embd: int = 192  # model width (from scratch)
+    intermediate_size: int | None = None  # MLP width (from scratch); None = the family's default
     n_positions: int | None = None  # context length (from scratch); None = data.seq_len, every position trained
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # any other HF config fields (from scratch)
     dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
-    tokenizer: str = "bytes"  # "bytes", "gpt2" (bundled), a hub name or a local folder
+    tokenizer: str | None = None  # None = the model's own, bytes from scratch; or bytes, gpt2, a folder, a hub name
     trust_remote_code: bool = False  # allow Hub models that ship their own code (off: safe by default)
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # LoRA rank; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # LoRA scaling numerator (scale = alpha / r)
+    dropout: float = 0.0  # dropout on the LoRA path
+    target_modules: list[str] | None = None  # module names to adapt; None = the family's attention and MLP projections
+    quantize: str | None = None  # nf4 = QLoRA (bitsandbytes, CUDA only); None = base weights in parallel.precision
 
 
 @dataclass
@@ -117,6 +130,7 @@ class LogConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -129,7 +143,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Fiel
     """Every dotted leaf key of the config, mapped to its dataclass field."""
     keys: dict[str, dataclasses.Field] = {}
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type) or isinstance(f.default_factory, type):
+        if dataclasses.is_dataclass(f.default_factory):
             keys.update(all_keys(f.default_factory, prefix + f.name + "."))  # type: ignore[arg-type]
         else:
             keys[prefix + f.name] = f
@@ -327,6 +341,7 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ShardlmError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}.")
+    _check_lora(cfg)
     m = cfg.model
     if m.name is None:
         _positive("model.n_layer", m.n_layer)
@@ -334,11 +349,29 @@ def validate(cfg: Config) -> None:
         _positive("model.n_head", m.n_head)
         if m.n_embd % m.n_head:
             raise ShardlmError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}.")
+        if m.n_kv_head is not None and (m.n_kv_head <= 0 or m.n_head % m.n_kv_head):
+            raise ShardlmError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value "
+                               "head serves a group of query heads): choose a divisor, or null for n_head.")
         if m.n_positions is not None and cfg.data.seq_len > m.n_positions:
             raise ShardlmError(
                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
                 f"lower data.seq_len or raise model.n_positions."
             )
+
+
+def _check_lora(cfg: Config) -> None:
+    lora = cfg.lora
+    _positive("lora.r", lora.r, allow_zero=True)
+    if lora.r == 0:
+        return
+    _positive("lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ShardlmError(f"lora.dropout must be in [0, 1), got {lora.dropout}.")
+    if cfg.model.name is None:
+        raise ShardlmError("lora.r > 0 adapts a pretrained model, but model.name is null (from scratch): set "
+                           "model.name to a hub name or folder, or lora.r=0 to train every weight.")
+    if lora.quantize not in (None, "nf4"):
+        raise ShardlmError(f"lora.quantize={lora.quantize!r} is not one of nf4, null.")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

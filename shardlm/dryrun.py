@@ -35,13 +35,13 @@ def _data_line(name: str, spec: str | None, default_split: str) -> str:
 def _model_lines(cfg: Config) -> list[str]:
     from shardlm.hub import hub_reachable
     from shardlm.model import empty_model, model_config, num_params
-    from shardlm.tokenizer import load_tokenizer
+    from shardlm.tokenizer import model_tokenizer, tokenizer_spec
 
     try:
-        tokenizer = load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code)
+        tokenizer = model_tokenizer(cfg.model)
         hf_cfg = model_config(cfg, tokenizer)
     except ShardlmError as e:
-        names = [n for n in dict.fromkeys((cfg.model.name, cfg.model.tokenizer))
+        names = [n for n in dict.fromkeys((cfg.model.name, tokenizer_spec(cfg.model)))
                  if n and n != "bytes" and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", n)
                  and not Path(n).expanduser().exists()]
         if names and not hub_reachable() and "cannot be reached" in str(e):
@@ -50,7 +50,7 @@ def _model_lines(cfg: Config) -> list[str]:
         raise
     n = num_params(empty_model(hf_cfg, "meta"))
     what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
-    return [f"model: {what}, {n / 1e6:.2f}M parameters; tokenizer {cfg.model.tokenizer}, {len(tokenizer)} tokens"]
+    return [f"model: {what}, {n / 1e6:.2f}M parameters; tokenizer {tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
 
 
 def dry_run(cfg: Config, world_size: int) -> str:

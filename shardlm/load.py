@@ -18,6 +18,7 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.checkpoint import resolve_checkpoint
 from shardlm.config import Config, config_from_dict
+from shardlm.model import fill_meta_buffers
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -61,6 +62,7 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))
         cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
     model.config.use_cache = True
+    fill_meta_buffers(model)
     return model.to(device).eval(), tokenizer, cfg, ckpt
 
 

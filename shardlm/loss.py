@@ -98,7 +98,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 
 def _plain(hidden, weight, bias, targets, with_accuracy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float()
+    return logits_cross_entropy(F.linear(hidden, weight, bias), targets, with_accuracy)
+
+
+def logits_cross_entropy(logits, targets, with_accuracy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, correct count) from (tokens x vocab) logits, in fp32 like HF's own loss."""
+    logits = logits.float()
     loss = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
     correct = ((logits.argmax(-1) == targets) & (targets != IGNORE)).sum() if with_accuracy \
         else torch.zeros((), dtype=torch.int64, device=loss.device)

@@ -6,6 +6,7 @@ lm_head/wte weight is unsharded exactly while the loss needs it.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -15,9 +16,18 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config
 from shardlm.hub import hub_kwargs, hub_reachable
-from shardlm.loss import linear_cross_entropy
+from shardlm.loss import linear_cross_entropy, logits_cross_entropy
+from shardlm.tokenizer import tokenizer_spec
 
-HUB_GPT2 = {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+# Config keys of families that transform their logits after the head (Gemma 2 soft-caps them, Cohere and
+# Granite scale them): their loss is computed from the model's own logits, never without the transform.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# model_types verified by tests/test_families.py (FSDP parity, ties, loss = the model's own, export, resume)
+TESTED_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_neox", "opt")
+
+
+def logit_transform(hf_config) -> str | None:
+    return next((k for k in LOGIT_TRANSFORMS if getattr(hf_config, k, None) not in (None, 1, 1.0)), None)
 
 
 class CausalLM(nn.Module):
@@ -26,9 +36,13 @@ class CausalLM(nn.Module):
         self.hf = hf_model
         self.loss_chunk_size = loss_chunk_size
         self.loss_fn = linear_cross_entropy  # parallelize may replace it with a compiled one
+        self.full_logits = logit_transform(hf_model.config) is not None or hf_model.get_output_embeddings() is None
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of token losses and count of correct next-token predictions (targets -100 are ignored)."""
+        if self.full_logits:
+            logits = self.hf(input_ids=tokens, use_cache=False).logits
+            return logits_cross_entropy(logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
         hidden = self.hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
         head = self.hf.get_output_embeddings()
         return self.loss_fn(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
@@ -75,42 +89,96 @@ def model_source(name: str) -> str:
     return str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name
 
 
-def model_config(cfg: Config, tokenizer):
-    """The HF config of the model to train: read from the hub/folder, or built from cfg for scratch."""
+def scratch_config(cfg: Config, tokenizer):
+    """The HF config of a new model of family `model.arch`, shardlm's size keys mapped to the family's names."""
     from transformers import AutoConfig, GPT2Config
 
+    m, eos = cfg.model, tokenizer.eos_token_id
+    positions = m.n_positions or cfg.data.seq_len
+    if m.arch == "gpt2":
+        return GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=m.n_embd, n_layer=m.n_layer,
+                          n_head=m.n_head, bos_token_id=eos, eos_token_id=eos, use_cache=False,
+                          **({"n_inner": m.intermediate_size} if m.intermediate_size else {}), **m.config_overrides)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+
+    if m.arch not in CAUSAL_LMS:
+        raise ShardlmError(f"model.arch={m.arch!r} is not a causal LM family of transformers.{_nearest_arch(m.arch)} "
+                           f"Tested: {', '.join(TESTED_FAMILIES)}; any model_type of AutoModelForCausalLM works.")
+    defaults = AutoConfig.for_model(m.arch)
+    sizes = {"vocab_size": len(tokenizer), "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
+             "num_attention_heads": m.n_head, "max_position_embeddings": positions,
+             "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "use_cache": False}
+    if hasattr(defaults, "num_key_value_heads"):
+        sizes["num_key_value_heads"] = m.n_kv_head or m.n_head
+    if hasattr(defaults, "head_dim"):  # Gemma, Qwen3, Mistral default to a fixed 128/256, not width/heads
+        sizes["head_dim"] = m.n_embd // m.n_head
+    if hasattr(defaults, "word_embed_proj_dim"):  # OPT projects embeddings unless this equals the width
+        sizes["word_embed_proj_dim"] = m.n_embd
+    mlp = "ffn_dim" if hasattr(defaults, "ffn_dim") else "intermediate_size"
+    sizes[mlp] = m.intermediate_size or 4 * m.n_embd
+    return AutoConfig.for_model(m.arch, **{**sizes, **m.config_overrides})
+
+
+def _nearest_arch(arch: str) -> str:
+    import difflib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+
+    match = difflib.get_close_matches(arch, list(CAUSAL_LMS), n=1)
+    return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def pretrained_config(cfg: Config):
+    from transformers import AutoConfig
+
     m = cfg.model
-    dropout = {"resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout}
-    eos = tokenizer.eos_token_id
-    if m.name is None:
-        hf_cfg = GPT2Config(vocab_size=len(tokenizer), n_positions=m.n_positions or cfg.data.seq_len, n_embd=m.n_embd,
-                            n_layer=m.n_layer, n_head=m.n_head, bos_token_id=eos, eos_token_id=eos,
-                            use_cache=False, **dropout)
-    else:
-        try:
-            source = model_source(m.name)
-            hf_cfg = AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code, **hub_kwargs(source))
-        except (OSError, ValueError) as e:
-            if Path(m.name).exists():
-                why = "it is a folder without a config.json"
-            elif hub_reachable():
-                why = ("it is not a local folder and the Hugging Face Hub did not serve it "
-                       f"({str(e).splitlines()[0][:160]})")
-            else:
-                why = ("it is not a local folder, the Hugging Face Hub cannot be reached and it is not in the "
-                       "local HF cache")
-            raise ShardlmError(
-                f"cannot load model '{m.name}': {why}. Offline, point model.name at a local folder holding "
-                "config.json and model.safetensors (e.g. one saved with save_pretrained or `shardlm export`)."
-            ) from None
-        for key, value in dropout.items():
-            if hasattr(hf_cfg, key):
-                setattr(hf_cfg, key, value)
-        hf_cfg.use_cache = False
+    try:
+        source = model_source(m.name)
+        return AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code, **hub_kwargs(source))
+    except (OSError, ValueError) as e:
+        if Path(m.name).exists():
+            why = "it is a folder without a config.json"
+        elif hub_reachable():
+            why = ("it is not a local folder and the Hugging Face Hub did not serve it "
+                   f"({str(e).splitlines()[0][:160]})")
+        else:
+            why = ("it is not a local folder, the Hugging Face Hub cannot be reached and it is not in the "
+                   "local HF cache")
+        raise ShardlmError(
+            f"cannot load model '{m.name}': {why}. Offline, point model.name at a local folder holding "
+            "config.json and model.safetensors (e.g. one saved with save_pretrained or `shardlm export`)."
+        ) from None
+
+
+def check_tokenizer(hf_cfg, tokenizer, cfg: Config) -> None:
+    """A tokenizer that is not the model's would train without complaint on ids the model never learned."""
+    name = tokenizer_spec(cfg.model)
     vocab = getattr(hf_cfg, "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
-        raise ShardlmError(f"tokenizer '{m.tokenizer}' has {len(tokenizer)} tokens but the model's vocabulary "
-                           f"holds {vocab}: use the model's own tokenizer (model.tokenizer).")
+        raise ShardlmError(f"tokenizer '{name}' has {len(tokenizer)} tokens but the model's vocabulary "
+                           f"holds {vocab}: use the model's own tokenizer (leave model.tokenizer unset).")
+    expected = getattr(hf_cfg, "eos_token_id", None)
+    expected = set(expected) if isinstance(expected, list) else {expected} - {None}
+    if cfg.model.name is not None and expected and tokenizer.eos_token_id not in expected:
+        raise ShardlmError(
+            f"tokenizer '{name}' is not the tokenizer of model '{cfg.model.name}': its end-of-text id is "
+            f"{tokenizer.eos_token_id}, the model's is {sorted(expected)[0]}. Leave model.tokenizer unset to use "
+            "the model's own tokenizer.")
+
+
+def model_config(cfg: Config, tokenizer):
+    """The HF config of the model to train: read from the hub/folder, or built from cfg for scratch."""
+    m = cfg.model
+    hf_cfg = scratch_config(cfg, tokenizer) if m.name is None else pretrained_config(cfg)
+    dropouts = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
+    for key in dropouts:
+        if hasattr(hf_cfg, key):
+            setattr(hf_cfg, key, m.dropout)
+    hf_cfg.use_cache = False
+    check_tokenizer(hf_cfg, tokenizer, cfg)
+    if (transform := logit_transform(hf_cfg)) and cfg.train.loss_chunk_size:
+        raise ShardlmError(f"{hf_cfg.model_type} transforms its logits ({transform}={getattr(hf_cfg, transform)}), "
+                           "which the chunked loss does not apply: set train.loss_chunk_size=0 or leave it null.")
     positions = context_length(hf_cfg)
     if positions is not None and cfg.data.seq_len > positions:
         raise ShardlmError(f"data.seq_len={cfg.data.seq_len} exceeds the model's {positions} positions; "
@@ -119,8 +187,17 @@ def model_config(cfg: Config, tokenizer):
         # The same tanh-GELU as one fused op instead of seven: saves ~30% of block activation memory
         # (measured with shardlm estimate) and several memory passes per step. HF reads the name back.
         hf_cfg.activation_function = "gelu_pytorch_tanh"
-    hf_cfg._attn_implementation = "sdpa"
+    hf_cfg._attn_implementation = attention(hf_cfg)
     return hf_cfg
+
+
+def attention(hf_cfg) -> str:
+    """SDPA (flash / memory-efficient kernels) where the family supports it; eager where it does not
+    (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def empty_model(hf_cfg, device: torch.device | str) -> nn.Module:
@@ -129,8 +206,40 @@ def empty_model(hf_cfg, device: torch.device | str) -> nn.Module:
 
     with torch.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa",
+        return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attention(hf_cfg),
                                                 trust_remote_code=getattr(hf_cfg, "trust_remote_code", False))
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on `meta` (no memory, no init work) and real buffers."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def fill_meta_buffers(hf_model: nn.Module) -> None:
+    """A model built on `meta` and loaded from a state dict still lacks its non-persistent buffers (rotary
+    tables, Gemma's embedding scale are in no state dict): take them from a skeleton built on CPU with its
+    parameters on meta."""
+    if not any(b.is_meta for b in hf_model.buffers()):
+        return
+    with parameters_on_meta():
+        skeleton = empty_model(hf_model.config, "cpu")
+    real = dict(skeleton.named_buffers())
+    for name, buf in list(hf_model.named_buffers()):
+        if buf.is_meta:
+            owner, _, attr = name.rpartition(".")
+            hf_model.get_submodule(owner)._buffers[attr] = real[name]
 
 
 def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
@@ -142,7 +251,7 @@ def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
         return empty_model(hf_cfg, "cpu")
     source = model_source(cfg.model.name)
     try:
-        return AutoModelForCausalLM.from_pretrained(source, config=hf_cfg, attn_implementation="sdpa",
+        return AutoModelForCausalLM.from_pretrained(source, config=hf_cfg, attn_implementation=attention(hf_cfg),
                                                     trust_remote_code=cfg.model.trust_remote_code,
                                                     dtype=torch.float32, **hub_kwargs(source))
     except (OSError, ValueError) as e:

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from shardlm import ShardlmError
+from shardlm.config import ModelConfig
 from shardlm.hub import hub_kwargs, hub_reachable
 
 ASSETS = Path(__file__).parent / "assets"
@@ -64,6 +65,27 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
     if tok.eos_token is None:
         raise ShardlmError(f"tokenizer '{spec}' has no EOS token; shardlm separates documents with it.")
     return tok
+
+
+def tokenizer_spec(model: ModelConfig) -> str:
+    """`model.tokenizer` with null resolved: the model's own when fine-tuning, bytes from scratch."""
+    if model.tokenizer is not None:
+        return model.tokenizer
+    return model.name if model.name is not None else "bytes"
+
+
+def model_tokenizer(model: ModelConfig):
+    """The run's tokenizer. Unset, a pretrained model's own: training a BPE model on other ids would run
+    without complaint and learn nothing, so the default is never a different tokenizer."""
+    spec = tokenizer_spec(model)
+    try:
+        return load_tokenizer(spec, model.trust_remote_code)
+    except ShardlmError as e:
+        if model.tokenizer is not None:
+            raise
+        raise ShardlmError(f"the tokenizer of model '{model.name}' (model.tokenizer is unset, so the model's own "
+                           f"is used) could not be loaded: {str(e).split(': ', 1)[-1]} Set model.tokenizer to the "
+                           "model's tokenizer (a folder or hub name).") from None
 
 
 def fingerprint(tok) -> str:
