@@ -62,6 +62,8 @@ def test_yaml_then_overrides(tmp_path):
         (["checkpoint.export_final=true", "checkpoint.save_final=false"], ["export_final", "save_final=true"]),
         (["parallel.compile=modle"], ["parallel.compile", "'model'"]),
         (["parallel.sharding=zero1"], ["parallel.sharding='zero1'", "full, grad_op", "zero3 or FULL_SHARD = full"]),
+        (["model.arch=llama", "model.n_kv_head=3"], ["model.n_kv_head=3", "divide model.n_head=4"]),
+        (["lora.r=8"], ["lora.r > 0", "model.name is null"]),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, words):

@@ -115,6 +115,8 @@ def test_the_models_own_tokenizer_by_default(folders, tmp_path):
     with pytest.raises(ShardlmError, match="is not the tokenizer of model .* end-of-text id is 256, the model's is "
                                            "50256. Leave model.tokenizer unset"):
         model_config(bytes_cfg, model_tokenizer(bytes_cfg.model))
+    with pytest.raises(ShardlmError, match="model.arch='lama' is not a causal LM family.*Did you mean 'llama'"):
+        model_config(load_config(None, ["model.arch=lama"]), byte_tokenizer())
     with pytest.raises(ShardlmError, match="transforms its logits"):
         model_config(load_config(None, [f"model.name={folders['gemma2']}", "train.loss_chunk_size=16",
                                         "data.seq_len=32"]),
