@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardlm import ShardlmError
+from shardlm import ShardlmError, lora
 from shardlm import dist as dist_mod
 from shardlm.config import Config
 from shardlm.data import TokenBlocks, prepare_data
@@ -71,7 +71,7 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> N
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
-    reference = initial_model(cfg, hf_cfg, cfg.train.seed) if dist.is_main else None
+    reference = _initial_hf(cfg, hf_cfg) if dist.is_main else None
     full = {f"hf.{k}": v for k, v in reference.state_dict().items()} if reference is not None else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
@@ -81,15 +81,24 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> N
             torch.distributed.broadcast(buf, src=0)
 
 
+def _initial_hf(cfg: Config, hf_cfg) -> nn.Module:
+    """The starting HF model on CPU: pretrained or seeded random weights, plus LoRA adapters (seeded) if on."""
+    hf = initial_model(cfg, hf_cfg, cfg.train.seed)
+    return lora.apply(hf, cfg.lora, seed=cfg.train.seed) if lora.enabled(cfg) else hf
+
+
 def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
+    """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.lora): only they train."""
+    lora.check(cfg, dist.device)
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
                             dist.device, compiled=pl.compile == "model")
     if pl.use_fsdp:
-        model = CausalLM(empty_model(hf_cfg, "meta"), chunk)
+        hf = empty_model(hf_cfg, "meta")
+        model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg) else hf, chunk)
         parallelize(model, cfg, pl, dist)
         materialize(model, cfg, hf_cfg, pl, dist)
     else:
-        model = CausalLM(initial_model(cfg, hf_cfg, cfg.train.seed), chunk).to(dist.device)
+        model = CausalLM(_initial_hf(cfg, hf_cfg), chunk).to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model
 
@@ -131,6 +140,7 @@ def build(cfg: Config) -> Run:
     """Checks that need no data (out_dir, tokenizer, the model's config against data.seq_len) come before
     tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
+    lora.check(cfg, d.device)  # QLoRA / fp8 refusals come before any data work
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)

@@ -5,6 +5,10 @@ of model + optimizer into `step_000123.tmp/`, rank 0 adds the trainer state, the
 and finally `manifest.json`, then renames the folder and moves `latest`. "Complete" means: manifest
 present, DCP metadata readable, every shard file it names present. Nothing here unpickles anything but
 DCP's own metadata; extra state is JSON.
+
+A LoRA run (`lora.r > 0`) saves only what changes: the adapter weights (not the frozen base), their optimizer
+state, the schedule, the data position and the RNG; the manifest records the base's identity
+(`shardlm.lora.base_identity`) and a resume or load onto another base is refused.
 """
 
 from __future__ import annotations
@@ -22,13 +26,14 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from shardlm import ShardlmError, __version__
+from shardlm import ShardlmError, __version__, lora
 from shardlm.config import save_config
 
 # One process without a process group saves and loads through the same DCP path; DCP warns about it.
@@ -129,6 +134,8 @@ class Checkpointer:
         self.pending: tuple | None = None  # (future, tmp, final) of an async save
         self.signal_received = False
         self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
+        self.lora = lora.enabled(run.cfg)
+        self._base: dict | None = None  # the LoRA base's identity, computed once
         if self.dist.is_main:  # the folder itself is made by the first save
             for stale in self.root.glob("*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -170,8 +177,17 @@ class Checkpointer:
 
     # ---- save ----------------------------------------------------------------------------------------
     def _state(self, trainer) -> dict:
+        """Model + optimizer state (DCP-sharded); of a LoRA run the adapter weights only."""
         model, opt = trainer.model, trainer.run.optimizer
-        return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        weights = get_model_state_dict(model)
+        if self.lora:
+            weights = lora.adapter_state(weights)
+        return {"model": weights, "optim": get_optimizer_state_dict(model, opt)}
+
+    def base_identity(self) -> dict:
+        if self._base is None:
+            self._base = lora.base_identity(self.run.cfg.model.name)
+        return self._base
 
     def save(self, trainer) -> Path:
         self.finish_pending()
@@ -224,7 +240,9 @@ class Checkpointer:
             _test_pause_hook(step, self.run.out_dir)
             manifest = {"step": step, "world_size": self.dist.world_size, "shardlm_version": __version__,
                         "arch": arch_of(self.run.hf_config), "saved_at": time.time(),
-                        "save_seconds": time.perf_counter() - began}
+                        "save_seconds": time.perf_counter() - began, "lora": lora.describe(self.run.cfg)}
+            if self.lora:
+                manifest["base"] = self.base_identity()
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             os.replace(tmp, final)
             latest = self.root / "latest"
@@ -258,10 +276,11 @@ class Checkpointer:
 
     def load(self, trainer, path: Path) -> None:
         manifest = json.loads((path / "manifest.json").read_text())
+        check_lora(manifest, self.run.cfg, path, self.base_identity() if self.lora else None)
         check_compatible(manifest, self.run.hf_config, path)
         state = self._state(trainer)
         dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(trainer.model, state["model"])
+        set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=not self.lora))
         set_optimizer_state_dict(trainer.model, trainer.run.optimizer, state["optim"])
         ts = json.loads((path / "trainer_state.json").read_text())
         trainer.step, trainer.position = ts["step"], ts["position"]
@@ -286,6 +305,29 @@ def check_compatible(manifest: dict, hf_config, path: Path) -> None:
     if diffs:
         raise ShardlmError(f"checkpoint {path} holds a different model ({'; '.join(diffs)}). Resume with the "
                            "checkpoint's architecture, or set checkpoint.resume=none / a new out_dir.")
+
+
+def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
+    """A LoRA checkpoint resumes only as LoRA (same rank) on the same base; a full one only as full."""
+    saved = manifest.get("lora")
+    if saved and not lora.enabled(cfg):
+        raise ShardlmError(f"checkpoint {path} holds a LoRA adapter (lora.r={saved['r']}), but this run has lora.r=0 "
+                           f"(full fine-tuning). Set lora.r={saved['r']} to resume it, or use a new out_dir or "
+                           "checkpoint.resume=none.")
+    if not saved and lora.enabled(cfg):
+        raise ShardlmError(f"checkpoint {path} holds a full fine-tuning run, but this run has lora.r={cfg.lora.r}. "
+                           "Set lora.r=0 to resume it, or use a new out_dir or checkpoint.resume=none.")
+    if saved:
+        lora.check_base(manifest.get("base") or {}, base or {}, path)
+        if saved["r"] != cfg.lora.r:
+            raise ShardlmError(f"checkpoint {path} holds a LoRA adapter of rank {saved['r']}, this run has lora.r="
+                               f"{cfg.lora.r}. Set lora.r={saved['r']} to resume it, or use a new out_dir or "
+                               "checkpoint.resume=none.")
+        if saved.get("target_modules") != cfg.lora.target_modules:
+            raise ShardlmError(f"checkpoint {path} holds adapters on lora.target_modules="
+                               f"{saved.get('target_modules')}, this run has {cfg.lora.target_modules}. Set "
+                               "lora.target_modules to the checkpoint's to resume it, or use a new out_dir or "
+                               "checkpoint.resume=none.")
 
 
 def _test_pause_hook(step: int, out_dir: Path) -> None:

@@ -46,18 +46,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from shardlm.generate import generate_from_path
+    from shardlm.generate import generate_command
 
-    for text in generate_from_path(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                   args.top_p, args.seed, args.num_samples):
-        print(text)
+    return generate_command(args.path, args.prompt, args.prompt_file, args.max_new_tokens, args.temperature,
+                            args.top_k, args.top_p, args.seed, args.num_samples, args.batch_size, args.json)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from shardlm.env import collect, render
+
+    print(render(collect(), as_json=args.json))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from shardlm.export import export
 
-    out = export(args.path, args.out_dir)
+    out = export(args.path, args.out_dir, adapter=args.adapter)
     print(f"exported to {out}", file=sys.stderr)
     return 0
 
@@ -73,11 +78,11 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
     from shardlm.estimate import describe
-    from shardlm.tokenizer import load_tokenizer
+    from shardlm.tokenizer import model_tokenizer
 
     config, overrides = _split_config(args.rest)
     cfg = load_config(config, overrides)
-    print(describe(cfg, load_tokenizer(cfg.model.tokenizer, cfg.model.trust_remote_code), args.world_sizes))
+    print(describe(cfg, model_tokenizer(cfg.model), args.world_sizes))
     return 0
 
 
@@ -137,10 +142,19 @@ def parser() -> argparse.ArgumentParser:
                    help="e.g. data.val=FILE (default: the run's validation data), data.seq_len=N")
 
     g = add("generate", cmd_generate, "sample text from a checkpoint, run dir or HF folder",
-            "examples:\n  shardlm generate runs/demo --prompt 'ROMEO:' --max-new-tokens 300\n"
-            "  shardlm generate runs/demo-hf --prompt 'The' --temperature 0 (greedy)\n")
+            "examples:\n  shardlm generate runs/demo --prompt 'ROMEO:' --max-new-tokens 300   (streamed)\n"
+            "  shardlm generate runs/demo-hf --prompt 'The' --temperature 0 (greedy)\n"
+            "  shardlm generate runs/demo --prompt-file prompts.txt --json > samples.jsonl\n"
+            "one prompt and one sample are printed as they are generated; --json prints one line per sample:\n"
+            '  {"prompt": ..., "sample": 0, "text": "<continuation>", "new_tokens": N}\n')
     g.add_argument("path", help="a checkpoint, a run dir or an exported Hugging Face folder")
-    g.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    g.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
+    g.add_argument("--prompt-file", default=None, metavar="FILE",
+                   help="UTF-8 file with one prompt per line (blank lines skipped), generated in batches")
+    g.add_argument("--batch-size", type=int, default=8,
+                   help="prompts generated together, left-padded (default 8); samples of a prompt go with it")
+    g.add_argument("--json", action="store_true",
+                   help='one JSON line per sample: {"prompt", "sample", "text" (the continuation), "new_tokens"}')
     g.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
     g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all")
@@ -148,10 +162,17 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same text")
     g.add_argument("--num-samples", type=int, default=1, help="independent samples of the prompt")
 
+    en = add("env", cmd_env, "print versions, devices, launcher and caches for a bug report: shardlm env [--json]")
+    en.add_argument("--json", action="store_true", help="one JSON object instead of plain text")
+
     x = add("export", cmd_export, "write a Hugging Face folder from a checkpoint or run dir",
-            "example:\n  shardlm export runs/demo runs/demo-hf   # then transformers.pipeline(model='runs/demo-hf')\n")
+            "example:\n  shardlm export runs/demo runs/demo-hf   # then transformers.pipeline(model='runs/demo-hf')\n"
+            "  shardlm export runs/lora runs/lora-adapter --adapter  # peft.PeftModel.from_pretrained(base, ...)\n")
     x.add_argument("path", help="a checkpoint or a run dir (its newest checkpoint)")
     x.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer to")
+    x.add_argument("--adapter", action="store_true",
+                   help="LoRA runs: write the PEFT adapter (adapter_config.json, adapter_model.safetensors) instead "
+                        "of the merged model")
 
     es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG.yaml] [key=value]")
     es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],

@@ -4,6 +4,10 @@ Parameters, gradients and AdamW state follow from the parameter count (counted o
 the sharding strategy. Activations are what autograd saves per token per block: measured by running ONE
 block on a 32-token input with a saved-tensor hook (architecture-exact, GELU variants included), then
 scaled to the batch. The loss adds the logits (full or one chunk). Nothing model-sized is allocated.
+
+With LoRA (`lora.r > 0`) the adapters are injected into the meta model: parameters count base + adapters, but
+gradients and AdamW state only the adapters, and the block's saved activations are measured with the frozen
+base (what autograd keeps differs: frozen weights need no inputs saved for their gradients).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardlm import lora
 from shardlm.config import Config
 from shardlm.model import auto_loss_chunk, empty_model, model_config, transformer_blocks
 from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled
@@ -31,11 +36,20 @@ class Estimate:
         return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB"])
 
 
-def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, tokens: int = 32) -> float:
+def _meta_model(cfg: Config, hf_cfg):
+    model = empty_model(hf_cfg, "meta")
+    if lora.enabled(cfg):
+        lora.apply(model, cfg.lora)
+    return model
+
+
+def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, tokens: int = 32, cfg: Config | None = None) -> float:
     """Bytes autograd keeps per token for one block (weights excluded), measured on a real block."""
-    block = transformer_blocks(empty_model(hf_cfg, "meta"))[0].to_empty(device="cpu")
+    meta = _meta_model(cfg, hf_cfg) if cfg is not None else empty_model(hf_cfg, "meta")
+    block = transformer_blocks(meta)[0].to_empty(device="cpu")
     for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+        with torch.no_grad():
+            torch.nn.init.normal_(p, std=0.02)
     block.to(dtype).train()
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     saved: dict[int, int] = {}
@@ -46,22 +60,25 @@ def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, tokens: int = 32) ->
         return t
 
     x = torch.randn(1, tokens, hf_cfg.hidden_size, dtype=dtype, requires_grad=True)
+    kwargs = {}
+    rotary = next((m for n, m in meta.named_modules() if n.endswith("rotary_emb")), None)
+    if rotary is not None:  # Llama-style blocks take the rotary (cos, sin) from the model
+        positions = torch.arange(tokens).unsqueeze(0)
+        with torch.no_grad():
+            kwargs = {"position_embeddings": type(rotary)(config=hf_cfg)(x, positions), "position_ids": positions}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
+        out = block(x, **kwargs)
     (out[0] if isinstance(out, tuple) else out).sum().backward()
     return sum(saved.values()) / tokens
 
 
 def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int | None = None) -> Estimate:
     hf_cfg = model_config(cfg, tokenizer)
-    meta = empty_model(hf_cfg, "meta")
+    meta = _meta_model(cfg, hf_cfg)
     blocks = transformer_blocks(meta)
-    seen, total = set(), 0
-    for p in meta.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
+    trainable, total = lora.count(meta)
     per_block = sum(p.numel() for p in blocks[0].parameters())
+    per_block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad)
     root = total - per_block * len(blocks)
     p = cfg.parallel
     use_fsdp = fsdp_enabled(cfg, world_size)
@@ -75,7 +92,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     on_device = 0.0 if p.cpu_offload else 1.0
     comp: dict[str, float] = {}
     comp["parameters (fp32, sharded)"] = 4 * total / shard * on_device
-    comp["AdamW state (2 x fp32, sharded)"] = 8 * total / shard * on_device
+    comp["AdamW state (2 x fp32, sharded)" if trainable == total else "AdamW state (2 x fp32, sharded; adapters)"] = \
+        8 * trainable / shard * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
         held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
@@ -84,7 +102,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         comp["autocast weight copies"] = total * csize
     # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
     # backward and the optimizer step (all gradients live, activations freed). The peak is the larger.
-    per_token = block_saved_bytes_per_token(hf_cfg, compute)
+    per_token = block_saved_bytes_per_token(hf_cfg, compute, cfg=cfg)
     tokens = B * T
     forward: dict[str, float] = {}
     if p.activation_checkpointing:
@@ -103,7 +121,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         forward["loss: logits and their gradient (compiled)"] = tokens * V * 2 * csize
     else:
         forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
-    grads = 4 * total / shard * on_device + (2 * per_block * 4 if use_fsdp and shard > 1 else 0)
+    grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
     if sum(forward.values()) >= grads:
         comp.update(forward)
     else:

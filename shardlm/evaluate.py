@@ -125,7 +125,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
         flat = to_flat_dict(inference_config(saved))
         flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
         flat.update(parse_overrides(overrides))
-        cfg = build_config({k: v for k, v in flat.items() if not k.startswith("model.")})
+        cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
         tokens = _validation_tokens(cfg, tokenizer, device, exported=saved is None)
     result = _evaluate(model, tokens, cfg, context, stride, device)
     print(json.dumps(result))

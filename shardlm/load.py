@@ -2,10 +2,16 @@
 
 The architecture and tokenizer come from what was saved, never from the command line. A DCP checkpoint is
 read into a plain CPU model: DCP reassembles full tensors from however many shards were written.
+
+A LoRA checkpoint holds only the adapter: the base comes from the run's `model.name` (refused when its identity
+differs from the one recorded at training), the adapter is read from DCP into PEFT's layers, and for
+inference (export, generate, eval) PEFT's `merge_and_unload` folds it into the base weights. An exported PEFT
+adapter folder (`shardlm export RUN OUT --adapter`) loads the same way from its `base_model_name_or_path`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -17,12 +23,67 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.checkpoint import resolve_checkpoint
-from shardlm.config import Config, config_from_dict
+from shardlm.config import Config, LoraConfig, config_from_dict
 from shardlm.model import fill_meta_buffers
 
 
 def is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("model*.safetensors*"))
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file()
+
+
+def manifest_of(ckpt: Path) -> dict:
+    return json.loads((ckpt / "manifest.json").read_text())
+
+
+def load_lora_checkpoint(ckpt: Path, cfg: Config):
+    """A `peft.PeftModel` (CPU, fp32, unmerged): the run's base model + the checkpoint's adapter weights."""
+    from transformers import AutoConfig
+
+    from shardlm import lora
+    from shardlm.model import initial_model
+
+    manifest = manifest_of(ckpt)
+    saved = manifest.get("base") or {}
+    if lora.local_base(cfg.model.name) is None and saved.get("path") and Path(saved["path"]).is_dir():
+        cfg.model.name = saved["path"]  # e.g. a relative model.name, read from another working directory
+    lora.check_base(saved, lora.base_identity(cfg.model.name), ckpt, what="load it")
+    hf_config = AutoConfig.for_model(**json.loads((ckpt / "hf_config.json").read_text()))
+    base = initial_model(cfg, hf_config, cfg.train.seed)
+    model = lora.peft_model(base, cfg.lora)
+    inner = model.get_base_model()
+    wanted = {f"model.hf.{k}": v for k, v in inner.state_dict().items() if lora.is_adapter_key(k)}
+    saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    missing = sorted(k for k in wanted if k not in saved)
+    if missing:
+        raise ShardlmError(f"checkpoint {ckpt} lacks adapter weights for {missing[:3]} (lora.target_modules differ "
+                           "from the run's?)")
+    state = {k: torch.empty_like(v) for k, v in wanted.items()}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    inner.load_state_dict({k.removeprefix("model.hf."): v for k, v in state.items()}, strict=False)
+    model.peft_config[lora.ADAPTER].base_model_name_or_path = (manifest.get("base") or {}).get("path") \
+        or cfg.model.name
+    return model
+
+
+def load_adapter_folder(path: Path, trust_remote_code: bool = False):
+    """(merged model, tokenizer) from a PEFT adapter folder and the base it names."""
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_name = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_name, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ShardlmError(f"adapter folder '{path}' names base model '{base_name}', which cannot be loaded "
+                           f"({str(e).splitlines()[0][:160]}). Edit base_model_name_or_path in its "
+                           "adapter_config.json.") from None
+    model = PeftModel.from_pretrained(base, str(path)).merge_and_unload()
+    source = path if (path / "tokenizer_config.json").is_file() else base_name
+    return model, AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
 
 
 def load_checkpoint_model(ckpt: Path) -> nn.Module:
@@ -56,11 +117,18 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
                                                      dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         cfg, ckpt = None, None
+    elif is_adapter_folder(path):
+        model, tokenizer = load_adapter_folder(path, trust_remote_code)
+        cfg, ckpt = None, None
     else:
         ckpt = resolve_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
-        model = load_checkpoint_model(ckpt)
-        tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))
         cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+        if manifest_of(ckpt).get("lora"):
+            model = load_lora_checkpoint(ckpt, cfg).merge_and_unload()
+            cfg = dataclasses.replace(cfg, lora=LoraConfig())  # what is returned is a plain (merged) model
+        else:
+            model = load_checkpoint_model(ckpt)
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))
     model.config.use_cache = True
     fill_meta_buffers(model)
     return model.to(device).eval(), tokenizer, cfg, ckpt

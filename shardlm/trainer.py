@@ -258,6 +258,14 @@ class Trainer:
             return {}
         return {"mem": f"{torch.cuda.max_memory_allocated(self.device) / 2**30:.1f}G"}
 
+    def _params(self) -> str:
+        from shardlm import lora
+
+        trainable, total = lora.count(self.model)
+        if trainable == total:
+            return f"{total / 1e6:.2f}M parameters"
+        return f"{total / 1e6:.2f}M parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
+
     def describe(self) -> str:
         cfg, d, pl = self.cfg, self.dist, self.run.plan
         if pl.use_fsdp:
@@ -270,7 +278,7 @@ class Trainer:
                                   ("cpu offload", cfg.parallel.cpu_offload)) if on]
         return (f"shardlm: {where}; {self.device.type}, {cfg.parallel.precision}"
                 + (f", {', '.join(extras)}" if extras else "") + "\n"
-                f"model: {self.n_params / 1e6:.2f}M parameters; data: {len(self.run.train):,} train / "
+                f"model: {self._params()}; data: {len(self.run.train):,} train / "
                 f"{len(self.run.val):,} val blocks of {self.seq_len} tokens\n"
                 f"{self.run.total_steps} steps x {self.global_batch} blocks "
                 f"({self.global_batch * self.seq_len:,} tokens per step), out_dir {self.run.out_dir}")

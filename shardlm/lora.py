@@ -1,0 +1,292 @@
+"""LoRA fine-tuning with PEFT under FSDP2 (`lora.r > 0`).
+
+Design:
+- PEFT injects the adapters IN PLACE into the Hugging Face model (`peft.get_peft_model(...)` then
+  `.get_base_model()`): every targeted Linear / GPT-2 Conv1D becomes a `peft.tuners.lora.Linear` holding the
+  frozen original as `base_layer` and the trainable `lora_A` / `lora_B`. `CausalLM.hf` stays the transformers
+  model itself (not the PeftModel wrapper, whose `.base_model` is the LoraModel and not the transformer body),
+  so `CausalLM.forward`, `transformer_blocks`, activation checkpointing, compile and `fully_shard` see the same
+  modules as in full fine-tuning. State-dict keys are `hf.<module>.base_layer.weight` (frozen) and
+  `hf.<module>.lora_A.default.weight` / `lora_B...` (trained).
+- Adapters go in before `parallelize`; `fully_shard` shards frozen and trainable parameters alike (FSDP2 shards
+  per parameter), but only the adapters have `requires_grad`, so only they get gradients, a reduce-scatter and
+  AdamW state (`build_optimizer` takes trainable parameters only).
+- The adapter init (PEFT: `lora_A` Kaiming-uniform, `lora_B` zero) is drawn after `torch.manual_seed(seed)`,
+  on rank 0's reference model under FSDP (then broadcast), or on the one model without: 1 and N ranks start equal.
+- Default targets: every Linear / Conv1D inside the transformer blocks (attention and MLP projections), by
+  their last name (`c_attn, c_proj, c_fc` for GPT-2; `q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+  down_proj` for Llama). The embeddings and the (often tied) head stay frozen.
+- A checkpoint of a LoRA run holds only the adapter (plus optimizer, schedule, data position, RNG) and the
+  base's identity (`base_identity`): resuming or loading it onto another base is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardlm import ShardlmError
+from shardlm.config import Config, LoraConfig
+
+ADAPTER = "default"  # PEFT's adapter name
+QUANTIZE = ("nf4",)
+
+
+def enabled(cfg: Config) -> bool:
+    return cfg.lora.r > 0
+
+
+def check(cfg: Config, device: torch.device | None = None) -> None:
+    """What can be refused before any work: LoRA settings, from-scratch models, QLoRA without CUDA."""
+    lc = cfg.lora
+    if lc.r < 0:
+        raise ShardlmError(f"lora.r must be >= 0 (0 = full fine-tuning), got {lc.r}.")
+    if lc.quantize is not None and lc.quantize not in QUANTIZE:
+        raise ShardlmError(f"lora.quantize={lc.quantize!r} is not one of {', '.join(QUANTIZE)} or null.")
+    if lc.quantize and lc.r == 0:
+        raise ShardlmError(f"lora.quantize={lc.quantize} quantizes the frozen base of a LoRA run: set lora.r "
+                           "(e.g. lora.r=16) or lora.quantize=null.")
+    if not enabled(cfg):
+        return
+    if cfg.model.name is None:
+        raise ShardlmError(f"lora.r={lc.r} adapts a pretrained model, but model.name is null (a model trained from "
+                           "scratch has nothing to adapt). Set model.name to a pretrained folder or hub name, or "
+                           "lora.r=0 for training from scratch.")
+    if lc.alpha <= 0:
+        raise ShardlmError(f"lora.alpha must be > 0, got {lc.alpha}.")
+    if not 0.0 <= lc.dropout < 1.0:
+        raise ShardlmError(f"lora.dropout must be in [0, 1), got {lc.dropout}.")
+    if cfg.parallel.precision == "fp8":
+        raise ShardlmError("lora.r > 0 with parallel.precision=fp8 is not supported (float8 linears do not wrap "
+                           "PEFT's adapter layers). Use parallel.precision=bf16 (or fp32) for LoRA.")
+    if lc.target_modules is not None and not lc.target_modules:
+        raise ShardlmError("lora.target_modules is an empty list: give module names (e.g. [q_proj, v_proj]) or "
+                           "null for every attention and MLP projection.")
+    if lc.quantize == "nf4":
+        cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+        if not cuda:
+            raise ShardlmError("lora.quantize=nf4 (QLoRA) needs a CUDA GPU (bitsandbytes 4-bit kernels); this run "
+                               "is on CPU. Use lora.quantize=null (LoRA on full-precision base weights) on CPU.")
+        raise ShardlmError("lora.quantize=nf4 (QLoRA) is not implemented under FSDP2 in this version. Use "
+                           "lora.quantize=null (LoRA on bf16 base weights: parallel.precision=bf16).")
+
+
+def _linear_types() -> tuple[type, ...]:
+    from transformers.pytorch_utils import Conv1D
+
+    return (nn.Linear, Conv1D)
+
+
+def linear_names(hf_model: nn.Module) -> list[str]:
+    """Last names of the Linear / Conv1D layers of the model, head included, sorted (for messages)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in hf_model.named_modules()
+                   if isinstance(m, _linear_types()) and name})
+
+
+def default_targets(hf_model: nn.Module) -> list[str]:
+    """The attention and MLP projections: every Linear / Conv1D inside the transformer blocks."""
+    from shardlm.model import transformer_blocks
+
+    names = set()
+    for block in transformer_blocks(hf_model):
+        names |= {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if isinstance(m, _linear_types()) and n}
+    return sorted(names)
+
+
+def _matches(name: str, targets: list[str]) -> bool:
+    """PEFT's rule for a list of target names: the module name equals one or ends with '.' + one."""
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def targets_of(hf_model: nn.Module, lc: LoraConfig) -> list[str]:
+    """The target names, checked: each must match at least one Linear / Conv1D layer."""
+    targets = list(lc.target_modules) if lc.target_modules is not None else default_targets(hf_model)
+    linears = [n for n, m in hf_model.named_modules() if isinstance(m, _linear_types()) and n]
+    unmatched = [t for t in targets if not any(_matches(n, [t]) for n in linears)]
+    if unmatched:
+        raise ShardlmError(f"lora.target_modules {unmatched} match no linear layer of {type(hf_model).__name__}; "
+                           f"its linear layers are: {', '.join(linear_names(hf_model))}. Set lora.target_modules "
+                           "to some of these (or null for every attention and MLP projection).")
+    return targets
+
+
+def peft_config(hf_model: nn.Module, lc: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+    from transformers.pytorch_utils import Conv1D
+
+    targets = targets_of(hf_model, lc)
+    conv1d = any(isinstance(m, Conv1D) and _matches(n, targets) for n, m in hf_model.named_modules())
+    return PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+                          bias="none", task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+
+
+def peft_model(hf_model: nn.Module, lc: LoraConfig):
+    """A `peft.PeftModel` around `hf_model` (adapters injected in place; on meta they stay on meta)."""
+    import warnings
+
+    from peft import get_peft_model
+
+    config = peft_config(hf_model, lc)
+    meta = any(p.is_meta for p in hf_model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(hf_model, config, low_cpu_mem_usage=meta)
+
+
+def apply(hf_model: nn.Module, lc: LoraConfig, seed: int | None = None) -> nn.Module:
+    """Inject the adapters into `hf_model` in place, freeze everything else; returns `hf_model`.
+
+    With `seed`, the adapter init is drawn from `torch.manual_seed(seed)` (the same on every launch layout).
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = peft_model(hf_model, lc).get_base_model()
+    assert model is hf_model
+    for name, p in hf_model.named_parameters():
+        p.requires_grad_(is_adapter_key(name))
+    return hf_model
+
+
+def is_adapter_key(key: str) -> bool:
+    """A parameter / state-dict key of a LoRA adapter weight (`...lora_A.default.weight`, `lora_B`, ...)."""
+    return ".lora_" in key
+
+
+def adapter_state(state: dict) -> dict:
+    return {k: v for k, v in state.items() if is_adapter_key(k)}
+
+
+def count(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters, each shared tensor once (full sizes also for DTensor shards)."""
+    seen, trainable, total = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable, total
+
+
+def inference_state(state: dict, model: nn.Module) -> dict:
+    """`state` (of `model`, a CausalLM or HF model, LoRA-injected or not) with any adapters merged,
+    W + (alpha / r) * B @ A with `base_layer.` dropped: a state dict a plain HF model of the same architecture
+    loads. A no-op for full fine-tuning. For inference on gathered training weights (the sample at the end of
+    training); the exports use PEFT's own `merge_and_unload`."""
+    configs = getattr(getattr(model, "hf", model), "peft_config", None)
+    if not configs or not any(is_adapter_key(k) for k in state):
+        return state
+    pc = configs[ADAPTER]
+    return _merged(state, pc.lora_alpha / pc.r, transpose=pc.fan_in_fan_out)
+
+
+def _merged(state: dict, scale: float, transpose: bool) -> dict:
+    """Conv1D (GPT-2, `fan_in_fan_out`) stores W as (in, out): its delta is transposed."""
+    out = {}
+    for key, value in state.items():
+        if is_adapter_key(key):
+            continue
+        if ".base_layer." in key:
+            prefix, leaf = key.split(".base_layer.")
+            if leaf == "weight" and f"{prefix}.lora_A.{ADAPTER}.weight" in state:
+                a, b = state[f"{prefix}.lora_A.{ADAPTER}.weight"], state[f"{prefix}.lora_B.{ADAPTER}.weight"]
+                delta = (b.float() @ a.float()) * scale
+                value = (value.float() + (delta.T if transpose else delta)).to(value.dtype)
+            key = f"{prefix}.{leaf}"
+        out[key] = value
+    return out
+
+
+# ---- the base's identity --------------------------------------------------------------------------------
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")) or sorted(folder.glob("*.pt"))
+    return files
+
+
+def _file_digest(path: Path, samples: int = 16, size: int = 65536) -> str:
+    """sha256 of the file's name, its size, its safetensors header (names, dtypes, shapes, offsets) and 16
+    evenly spaced 64 KiB samples of the data: ~1 MiB read per file, so a multi-GB base hashes in
+    milliseconds, and a different base (other shapes or other values) changes it."""
+    h = hashlib.sha256()
+    total = path.stat().st_size
+    h.update(f"{path.name}:{total}".encode())
+    with open(path, "rb") as f:
+        start = 0
+        if path.suffix == ".safetensors" and total >= 8:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = f.read(min(n, 100 * 2**20))
+            h.update(header)
+            start = 8 + n
+        span = max(0, total - start)
+        for i in range(samples):
+            f.seek(start + span * i // samples)
+            h.update(f.read(size))
+    return h.hexdigest()
+
+
+def local_base(name: str) -> Path | None:
+    from shardlm.model import model_source
+
+    source = Path(model_source(name))
+    if source.is_dir():
+        return source.resolve()
+    try:  # a hub name: the snapshot in the local HF cache, if there is one
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: the identity is the name alone
+        return None
+
+
+def base_identity(name: str) -> dict:
+    """Who the base model is: its name, resolved folder, sha256 of config.json and of the weight files
+    (see `_file_digest`: header + size + sampled data, not the whole file)."""
+    folder = local_base(name)
+    ident = {"name": name, "path": str(folder) if folder else None, "config_sha256": None, "weights_sha256": None,
+             "weights_hash": "sha256 over weight files of name, size, safetensors header, 16 x 64 KiB data samples"}
+    if folder is None:
+        return ident
+    config = folder / "config.json"
+    if config.is_file():
+        ident["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
+    files = _weight_files(folder)
+    if files:
+        h = hashlib.sha256()
+        for f in files:
+            h.update(_file_digest(f).encode())
+        ident["weights_sha256"] = h.hexdigest()
+    return ident
+
+
+def check_base(saved: dict, current: dict, where: Path, what: str = "resume") -> None:
+    """Refuse a LoRA checkpoint on a base other than the one it was trained on."""
+    diffs = [k for k in ("config_sha256", "weights_sha256")
+             if saved.get(k) and current.get(k) and saved[k] != current[k]]
+    unhashed = not saved.get("weights_sha256") and not current.get("weights_sha256")
+    if unhashed and saved.get("name") != current.get("name"):
+        diffs.append("name")
+    if diffs:
+        parts = " and ".join({"config_sha256": "config.json", "weights_sha256": "weights", "name": "name"}[d]
+                             for d in diffs)
+        raise ShardlmError(
+            f"checkpoint {where} holds a LoRA adapter trained on base model '{saved.get('name')}' "
+            f"({saved.get('path')}), but model.name '{current.get('name')}' ({current.get('path')}) differs in its "
+            f"{parts}: an adapter only fits its own base. To {what}, set model.name to the original base; to "
+            "train this base, use a new out_dir or checkpoint.resume=none.")
+
+
+def describe(cfg: Config) -> dict | None:
+    """What the manifest records about LoRA (None for full fine-tuning)."""
+    if not enabled(cfg):
+        return None
+    lc = cfg.lora
+    return {"r": lc.r, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": lc.target_modules}
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,233 @@
+"""LoRA with PEFT under FSDP2: adapters alone train (1 process and 2 FSDP ranks agree), checkpoints hold the
+adapter and the base's identity and resume exactly, exports (merged and PEFT adapter) agree, generate and eval
+work on LoRA runs, the base folder is never written, and bad input fails with one line."""
+
+import hashlib
+import json
+import shutil
+import signal
+
+import pytest
+import torch
+
+from conftest import byte_gpt2_config, records, shardlm_cli, tiny
+from shardlm import ShardlmError
+from shardlm.tokenizer import byte_tokenizer
+
+STEPS = 8
+
+
+def folder_digest(folder) -> str:
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}".encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def save_base(folder, family: str, seed: int):
+    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=257, max_position_embeddings=64, bos_token_id=256, eos_token_id=256))
+    else:
+        model = GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=16, n_head=2))
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-bases")
+    folders = {name: save_base(root / name, family, seed)
+               for name, family, seed in (("llama", "llama", 1), ("llama_other", "llama", 2), ("gpt2", "gpt2", 3))}
+    return folders, {name: folder_digest(f) for name, f in folders.items()}
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers():
+    """In-process runs install shardlm's SIGTERM/SIGINT handlers: give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def lora_args(corpus, cache_dir, out, base, **extra) -> list[str]:
+    return tiny(corpus, cache_dir, out, **{"model.name": base, "lora.r": 4, "lora.alpha": 8, "train.max_steps": STEPS,
+                                           "checkpoint.every": 4, "train.batch_size": 8, **extra})
+
+
+def train_in_process(args: list[str], env: dict | None = None, monkeypatch=None):
+    from shardlm.config import load_config
+    from shardlm.train import train
+
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    try:
+        return train(load_config(None, args))
+    finally:
+        for k in env or {}:
+            monkeypatch.delenv(k)
+
+
+@pytest.fixture(scope="module")
+def runs(bases, corpus, cache_dir, tmp_path_factory):
+    """One uninterrupted 1-process LoRA run per family (the references)."""
+    folders, _ = bases
+    out = {}
+    for family in ("llama", "gpt2"):
+        run = tmp_path_factory.mktemp(f"lora-run-{family}")
+        train_in_process(lora_args(corpus, cache_dir, run, folders[family]))
+        out[family] = run
+    return out
+
+
+def by_step(out_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out_dir)}
+
+
+def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, cache_dir, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardlm.build import build
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+
+    folders, digests = bases
+    reference = by_step(runs["llama"])
+    assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
+
+    # 1 process: gradients reach the adapters alone, the optimizer holds the adapters alone
+    trainer = Trainer(build(load_config(None, lora_args(corpus, cache_dir, tmp_path / "one", folders["llama"]))))
+    trainer.model.train()
+    trainer.forward_backward_step(trainer._train_batch(0))
+    named = dict(trainer.model.named_parameters())
+    with_grad = {n for n, p in named.items() if p.grad is not None}
+    adapters = {n for n in named if ".lora_" in n}
+    assert with_grad == adapters and len(adapters) == 2 * 7 * 2  # A and B x 7 projections x 2 blocks
+    in_optimizer = {id(p) for g in trainer.run.optimizer.param_groups for p in g["params"]}
+    assert in_optimizer == {id(named[n]) for n in adapters}
+
+    # exact resume, 1 process: stopped (SIGTERM) after step 4 and resumed == uninterrupted, bit for bit
+    split = tmp_path / "split"
+    train_in_process(lora_args(corpus, cache_dir, split, folders["llama"], **{"checkpoint.every": 0}),
+                     env={"SHARDLM_TEST_SIGTERM_AT": "4"}, monkeypatch=monkeypatch)
+    assert max(by_step(split)) == 4
+    train_in_process(lora_args(corpus, cache_dir, split, folders["llama"], **{"checkpoint.every": 0}))
+    assert by_step(split) == reference
+
+    # 2 FSDP ranks (AC + CPU offload), killed after the step-4 save, resumed with another strategy (no_shard)
+    fsdp = tmp_path / "fsdp"
+    two = {"train.batch_size": 4, "parallel.activation_checkpointing": True, "parallel.cpu_offload": True}
+    proc = shardlm_cli(["train", *lora_args(corpus, cache_dir, fsdp, folders["llama"], **two)], nproc=2,
+                       env={"SHARDLM_TEST_KILL_AFTER_SAVE": "4"}, check=False)
+    assert proc.returncode != 0 and max(by_step(fsdp)) == 4
+    resumed = shardlm_cli(["train", *lora_args(corpus, cache_dir, fsdp, folders["llama"], **{
+        "train.batch_size": 4, "parallel.sharding": "no_shard"})], nproc=2)
+    assert "resumed from" in resumed.stdout and "step 4" in resumed.stdout
+    got = by_step(fsdp)
+    assert sorted(got) == sorted(reference)
+    for step, loss in reference.items():
+        assert got[step] == pytest.approx(loss, abs=1e-4), step
+
+    # the checkpoint: adapter weights and their optimizer state only, and the base's identity
+    ckpt = fsdp / "checkpoints" / "step_000000008"
+    keys = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("model.")}
+    optim_keys = {k for k in keys if k.startswith("optim.state.")}
+    assert model_keys and all(".lora_" in k for k in model_keys)
+    assert optim_keys and all(".lora_" in k for k in optim_keys)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["lora"]["r"] == 4 and manifest["base"]["path"] == str(folders["llama"].resolve())
+    assert len(manifest["base"]["weights_sha256"]) == 64 and len(manifest["base"]["config_sha256"]) == 64
+    assert {n: folder_digest(f) for n, f in folders.items()} == digests  # the base folders were never written
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, pipeline
+
+    from shardlm.evaluate import evaluate_path
+    from shardlm.export import export
+    from shardlm.generate import generate_from_path
+    from shardlm.load import load_for_inference
+    from shardlm.lora import inference_state
+
+    folders, digests = bases
+    run = runs[family]
+    merged_dir, adapter_dir = export(run, tmp_path / "merged"), export(run, tmp_path / "adapter", adapter=True)
+    assert (adapter_dir / "adapter_config.json").is_file() and (adapter_dir / "adapter_model.safetensors").is_file()
+    assert not any(adapter_dir.glob("model*.safetensors"))
+
+    merged = AutoModelForCausalLM.from_pretrained(str(merged_dir)).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(folders[family])).eval()
+    with_adapter = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = merged(x).logits, with_adapter(x).logits
+        plain = AutoModelForCausalLM.from_pretrained(str(folders[family]))(x).logits
+    assert (a - b).abs().max() < 1e-5
+    assert (a - plain).abs().max() > 1e-3  # the adapter changed the model
+
+    # generate on the run dir == transformers.pipeline on the merged export (greedy)
+    prompt = "ROMEO:"
+    text = pipeline("text-generation", model=str(merged_dir), device="cpu")(
+        prompt, max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    assert generate_from_path(str(run), prompt, max_new_tokens=12, temperature=0)[0] == text
+
+    # eval on the run dir == eval on the merged export
+    val = [f"data.val={corpus}", "data.seq_len=32", "train.batch_size=4", "train.eval_batches=4"]
+    assert evaluate_path(str(run), val) == pytest.approx(evaluate_path(str(merged_dir), val), rel=1e-5)
+
+    # the tensor-level merge (used on gathered training weights) == PEFT's merge_and_unload
+    from shardlm.config import config_from_dict
+    from shardlm.load import load_lora_checkpoint, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(run)
+    import yaml
+
+    cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    peft_model = load_lora_checkpoint(ckpt, cfg)
+    inner = peft_model.get_base_model()
+    ours = inference_state(inner.state_dict(), inner)
+    theirs = load_for_inference(run)[0].state_dict()
+    assert set(ours) == set(theirs)
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-6
+    assert {n: folder_digest(f) for n, f in folders.items()} == digests
+
+
+@pytest.mark.parametrize("case", ["targets", "scratch", "adapter_of_full_run", "other_base", "nf4_on_cpu"])
+def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path):
+    from shardlm.export import export
+
+    folders, _ = bases
+    if case == "targets":
+        args, expect = lora_args(corpus, cache_dir, tmp_path, folders["llama"], **{"lora.target_modules": "[qkv]"}), \
+            r"\['qkv'\] match no linear layer .*down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"
+    elif case == "scratch":
+        args, expect = tiny(corpus, cache_dir, tmp_path, **{"lora.r": 4}), "model.name"
+    elif case == "nf4_on_cpu":
+        args, expect = lora_args(corpus, cache_dir, tmp_path, folders["llama"], **{"lora.quantize": "nf4"}), \
+            "nf4.*CUDA.*lora.quantize=null"
+    elif case == "other_base":
+        run = tmp_path / "run"
+        shutil.copytree(runs["llama"], run)
+        args, expect = lora_args(corpus, cache_dir, run, folders["llama_other"], **{"train.max_steps": STEPS + 2}), \
+            "trained on base model .* differs in its weights.*set model.name to the original base"
+    if case == "adapter_of_full_run":
+        run = tmp_path / "full"
+        train_in_process(tiny(corpus, cache_dir, run, **{"train.max_steps": 1}))
+        with pytest.raises(ShardlmError, match="full fine-tuning checkpoint.*without --adapter") as err:
+            export(run, tmp_path / "out", adapter=True)
+        assert not (tmp_path / "out").exists()
+    else:
+        with pytest.raises(ShardlmError, match=expect) as err:
+            train_in_process(args)
+    assert "\n" not in str(err.value)  # the CLI prints a ShardlmError as one `error: ...` line (test_errors)
