@@ -82,6 +82,7 @@ def test_plain_train_is_the_shakespeare_config():
     bundled = to_flat_dict(load_config(str(ROOT / "configs" / "shakespeare_tiny.yaml")))
     defaults = to_flat_dict(load_config(None))
     defaults["model.n_positions"] = defaults["model.n_positions"] or defaults["data.seq_len"]  # null = seq_len
+    defaults["model.tokenizer"] = defaults["model.tokenizer"] or "bytes"  # null = bytes from scratch
     assert {k: v for k, v in bundled.items() if k != "out_dir"} == {k: v for k, v in defaults.items()
                                                                       if k != "out_dir"}
 
