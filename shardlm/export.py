@@ -81,9 +81,15 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
         eos = tokenizer.eos_token_id
         model.config.bos_token_id = model.config.eos_token_id = eos
         model.config.use_cache = True
-        positions = context_length(model.config) or 200  # a pipeline() call must not run past the positions
+        positions = context_length(model.config)
+        if model.config.model_type == "gpt2" and positions:
+            model.config.n_ctx = positions  # llama.cpp's convert_hf_to_gguf.py still reads GPT-2's n_ctx
+        if positions:
+            tokenizer.model_max_length = positions  # not GPT-2's 1024: other tools cut prompts by it
+        # samples like `shardlm generate` (temperature 0.8, no top-k); never runs past the positions
         model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
-                                                   do_sample=True, max_new_tokens=min(100, positions // 2))
+                                                   do_sample=True, temperature=0.8, top_k=0,
+                                                   max_new_tokens=min(100, (positions or 200) // 2))
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(str(tmp))
     except OSError as e:

@@ -130,6 +130,11 @@ def test_export_generate_eval_round_trip(corpus, cache_dir, tmp_path):
     hf = run / "hf"
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert (hf / name).is_file(), name
+    # what other tools read: llama.cpp's converter needs GPT-2's n_ctx; the real context, not 1024
+    assert json.loads((hf / "config.json").read_text())["n_ctx"] == 32
+    assert json.loads((hf / "tokenizer_config.json").read_text())["model_max_length"] == 32
+    gen = json.loads((hf / "generation_config.json").read_text())
+    assert gen["do_sample"] and gen["temperature"] == 0.8 and gen["max_new_tokens"] == 16
     prompt = "ROMEO:"
     from_ckpt = shardlm_cli(["generate", str(run), "--prompt", prompt, "--temperature", "0",
                              "--max-new-tokens", "20"]).stdout
