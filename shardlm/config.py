@@ -125,6 +125,12 @@ class CheckpointConfig:
 class LogConfig:
     tensorboard: bool = True  # also write TensorBoard scalars to OUT_DIR/tensorboard
     progress: str = "auto"  # auto (bar on a terminal, lines otherwise), bar, lines or none
+    wandb: bool = False  # also log to Weights & Biases (`pip install shardlm[wandb]`; WANDB_MODE=offline works)
+    mlflow: bool = False  # also log to MLflow (`pip install shardlm[mlflow]`)
+    project: str = "shardlm"  # W&B project / MLflow experiment
+    run_name: str | None = None  # W&B / MLflow run name; None = the out_dir's folder name
+    entity: str | None = None  # W&B team or user; None = your default
+    mlflow_uri: str | None = None  # MLflow tracking URI; None = a local file store in OUT_DIR/mlruns
 
 
 @dataclass

@@ -54,10 +54,16 @@ def gpu_utilization(device: torch.device) -> dict[str, float]:
 
 
 class MetricsLog:
-    """`metrics.jsonl` (one flushed line per record, so it can be tailed) and TensorBoard."""
+    """`metrics.jsonl` (one flushed line per record, so it can be tailed), TensorBoard and, given `cfg` with
+    log.wandb / log.mlflow on, those trackers (shardlm.tracking); `trackers` passes started ones instead."""
 
-    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool):
+    def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool, trackers: list | None = None,
+                 cfg=None):
         self.enabled = enabled
+        if cfg is not None:
+            from shardlm import tracking
+
+            tracking.require(cfg.log)  # on every rank, so all of them stop with the same one-line error
         if enabled:
             out_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(out_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
@@ -66,6 +72,13 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        self.trackers = list(trackers or [])
+        if enabled and cfg is not None and trackers is None:
+            from shardlm import tracking
+
+            self.trackers = tracking.start(cfg, out_dir)
+        self.last_val: dict | None = None
+        self.last_step: int | None = None
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -73,17 +86,37 @@ class MetricsLog:
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        split = record.get("split", "train")
+        scalars = {f"{split}/{key}": value for key, value in record.items()
+                   if isinstance(value, (int, float)) and key not in ("step", "split")}
         if self.tb is not None:
-            split = record.get("split", "train")
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("step", "split"):
-                    self.tb.add_scalar(f"{split}/{key}", value, record["step"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(scalars, record["step"])
+        self.last_step = record["step"]
+        if split == "val":
+            self.last_val = record
+
+    def summary(self) -> dict:
+        """The final summary sent to the trackers: last validation loss/ppl/accuracy and the last step."""
+        out = {} if self.last_step is None else {"final/steps": self.last_step}
+        for key in ("loss", "ppl", "accuracy"):
+            if self.last_val is not None and isinstance(self.last_val.get(key), (int, float)):
+                out[f"final/val_{key}"] = self.last_val[key]
+        return out
 
     def close(self) -> None:
         if self.file:
             self.file.close()
         if self.tb is not None:
             self.tb.close()
+        summary = self.summary()
+        for tracker in self.trackers:
+            if summary:
+                tracker.summary(summary)
+            tracker.close()
+        self.trackers = []
 
 
 class Eta:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from shardlm import tracking
 from shardlm.build import build
 from shardlm.checkpoint import Checkpointer
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
@@ -14,6 +15,7 @@ from shardlm.trainer import Trainer
 
 
 def train(cfg: Config) -> dict:
+    tracking.require(cfg.log)  # a tracker that is not installed fails before any work
     run = build(cfg)
     checkpointer = Checkpointer(run)
     trainer = Trainer(run, checkpointer)

@@ -169,7 +169,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg, d, run = self.cfg, self.dist, self.run
         t = cfg.train
-        log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main)
+        log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main, cfg=cfg)
         total = run.total_steps
         d.print(self.describe())
         progress = Progress(total, cfg.log.progress, d.is_main, initial=self.step)
