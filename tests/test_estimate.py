@@ -20,7 +20,8 @@ GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256
     {"train.loss_chunk_size": 0},
     {"parallel.activation_checkpointing": True, "train.batch_size": 8},
     {"train.batch_size": 16, "train.loss_chunk_size": 256},
-], ids=["chunked", "plain-loss", "activation-ckpt", "big-batch"])
+    {"model.arch": "llama", "model.n_kv_head": 2, "model.intermediate_size": 688},
+], ids=["chunked", "plain-loss", "activation-ckpt", "big-batch", "llama"])
 def test_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path, extra):
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{**GPT2_VOCAB, **extra}))
     trainer = Trainer(build(cfg))
