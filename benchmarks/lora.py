@@ -98,6 +98,7 @@ def run_hf_peft(args) -> dict:
     from shardlm.dist import Dist, LaunchInfo
     from shardlm.estimate import StepPeak
     from shardlm.tokenizer import model_tokenizer
+    from vs_hf_trainer import HFBlocks  # benchmarks/ is on sys.path: this script's folder
 
     cfg = load_config(None, overrides(args, args.base, 16))
     tok = model_tokenizer(cfg.model)
@@ -105,14 +106,6 @@ def run_hf_peft(args) -> dict:
     train, _ = prepare_data(cfg.data, tok, Dist(LaunchInfo("single"), device))
     total_steps = args.steps + 1
     order = GlobalSampler(len(train), cfg.train.seed).indices(0, args.batch * total_steps)  # shardlm's blocks
-
-    class Blocks(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(order)
-
-        def __getitem__(self, i):
-            row = train.get([order[i]])[0]
-            return {"input_ids": row[:-1], "labels": row[:-1]}  # HF shifts labels inside the model
 
     model = AutoModelForCausalLM.from_pretrained(args.base, attn_implementation="sdpa", dtype=torch.float32,
                                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # = shardlm's
@@ -147,7 +140,7 @@ def run_hf_peft(args) -> dict:
         report_to=[], dataloader_drop_last=True, bf16=args.precision == "bf16", use_cpu=not torch.cuda.is_available(),
         seed=cfg.train.seed, disable_tqdm=True, dataloader_num_workers=0, gradient_checkpointing=args.mode == "ac",
         gradient_checkpointing_kwargs={"use_reentrant": False})
-    trainer = Trainer(model=model, args=targs, train_dataset=Blocks(), callbacks=[Timer()])
+    trainer = Trainer(model=model, args=targs, train_dataset=HFBlocks(train, order), callbacks=[Timer()])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     tokens = args.batch * args.seq

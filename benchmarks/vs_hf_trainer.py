@@ -75,6 +75,20 @@ def run_shardlm(s: dict, data: str, extra: list[str]) -> dict:
             "peak_memory_gb": peak_memory_gb(), "rank": trainer.dist.rank}
 
 
+class HFBlocks:
+    """shardlm's blocks in shardlm's order as an HF Trainer dataset (HF shifts the labels inside the model)."""
+
+    def __init__(self, blocks, order):
+        self.blocks, self.order = blocks, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.blocks.get([self.order[i]])[0]
+        return {"input_ids": row[:-1], "labels": row[:-1]}
+
+
 def run_hf(s: dict, data: str) -> dict:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -92,14 +106,6 @@ def run_hf(s: dict, data: str) -> dict:
     global_batch = s["batch"] * world
     sampler = GlobalSampler(len(train), cfg.train.seed)
     order = sampler.indices(0, global_batch * s["steps"])  # the same blocks, in the same order, as shardlm
-
-    class Blocks(torch.utils.data.Dataset):
-        def __len__(self):
-            return len(order)
-
-        def __getitem__(self, i):
-            row = train.get([order[i]])[0]
-            return {"input_ids": row[:-1], "labels": row[:-1]}  # HF shifts labels inside the model
 
     m = s["model"]
     torch.manual_seed(cfg.train.seed)
@@ -128,7 +134,7 @@ def run_hf(s: dict, data: str) -> dict:
         torch_compile=s["hf_compile"],
         disable_tqdm=True, dataloader_num_workers=0, accelerator_config={"dispatch_batches": False},
         **({"fsdp": "full_shard"} if world > 1 and torch.cuda.is_available() else {}))
-    trainer = Trainer(model=model, args=targs, train_dataset=Blocks(), callbacks=[Timer()])
+    trainer = Trainer(model=model, args=targs, train_dataset=HFBlocks(train, order), callbacks=[Timer()])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     steady = times[s["warmup"]:]

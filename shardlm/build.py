@@ -89,7 +89,6 @@ def _initial_hf(cfg: Config, hf_cfg) -> nn.Module:
 
 def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
     """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.lora): only they train."""
-    lora.check(cfg, dist.device)
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
                             dist.device, compiled=pl.compile == "model")
     if pl.use_fsdp:
@@ -140,7 +139,7 @@ def build(cfg: Config) -> Run:
     """Checks that need no data (out_dir, tokenizer, the model's config against data.seq_len) come before
     tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
-    lora.check(cfg, d.device)  # QLoRA / fp8 refusals come before any data work
+    lora.check(cfg, d.device)  # QLoRA's refusal comes before any data work
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)

@@ -156,7 +156,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Fiel
     return keys
 
 
-def _nearest(word: str, choices: list[str] | tuple[str, ...]) -> str:
+def nearest(word: str, choices: list[str] | tuple[str, ...]) -> str:
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.4)
     if not match:  # try the last component alone: "batchsize" -> "train.batch_size"
         tails = {c.rsplit(".", 1)[-1]: c for c in choices}
@@ -182,7 +182,7 @@ def _check_keys(tree: dict[str, Any], source: str, prefix: str = "") -> None:
             raise ShardlmError(f"'{dotted}' in {source} is a config section: it holds keys such as "
                                f"'{example}', not the value {value!r}.")
         elif dotted not in known:
-            raise ShardlmError(f"unknown config key '{dotted}' in {source}.{_nearest(dotted, list(known))}")
+            raise ShardlmError(f"unknown config key '{dotted}' in {source}.{nearest(dotted, list(known))}")
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -277,7 +277,7 @@ def build_config(flat: dict[str, Any]) -> Config:
     schema = OmegaConf.structured(Config)
     for key, value in flat.items():
         if key not in known:
-            raise ShardlmError(f"unknown config key '{key}'.{_nearest(key, list(known))}")
+            raise ShardlmError(f"unknown config key '{key}'.{nearest(key, list(known))}")
         if key == "parallel.compile" and isinstance(value, bool):  # YAML true/false, as before `model`/`blocks`
             value = "model" if value else "false"
         try:
@@ -321,7 +321,7 @@ def validate(cfg: Config) -> None:
         ("log.progress", cfg.log.progress, ("auto", "bar", "lines", "none")),
     ):
         if value not in choices:
-            raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{_nearest(value, choices)}"
+            raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{nearest(value, choices)}"
                                + CHOICE_HINTS.get(name, ""))
     t = cfg.train
     _positive("train.batch_size", t.batch_size)
@@ -366,9 +366,15 @@ def validate(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
+    """LoRA settings; QLoRA's need for CUDA is checked with the device (shardlm.lora.check)."""
     lora = cfg.lora
     _positive("lora.r", lora.r, allow_zero=True)
+    if lora.quantize not in (None, "nf4"):
+        raise ShardlmError(f"lora.quantize={lora.quantize!r} is not one of nf4, null.")
     if lora.r == 0:
+        if lora.quantize:
+            raise ShardlmError(f"lora.quantize={lora.quantize} quantizes the frozen base of a LoRA run: set lora.r "
+                               "(e.g. lora.r=16) or lora.quantize=null.")
         return
     _positive("lora.alpha", lora.alpha)
     if not 0.0 <= lora.dropout < 1.0:
@@ -376,8 +382,12 @@ def _check_lora(cfg: Config) -> None:
     if cfg.model.name is None:
         raise ShardlmError("lora.r > 0 adapts a pretrained model, but model.name is null (from scratch): set "
                            "model.name to a hub name or folder, or lora.r=0 to train every weight.")
-    if lora.quantize not in (None, "nf4"):
-        raise ShardlmError(f"lora.quantize={lora.quantize!r} is not one of nf4, null.")
+    if cfg.parallel.precision == "fp8":
+        raise ShardlmError("lora.r > 0 with parallel.precision=fp8 is not supported (float8 linears do not wrap "
+                           "PEFT's adapter layers). Use parallel.precision=bf16 (or fp32) for LoRA.")
+    if lora.target_modules is not None and not lora.target_modules:
+        raise ShardlmError("lora.target_modules is an empty list: give module names (e.g. [q_proj, v_proj]) or "
+                           "null for every attention and MLP projection.")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

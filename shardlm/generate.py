@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.model import context_length, empty_model
+from shardlm.model import context_length, empty_model, fill_meta_buffers
 
 
 def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> nn.Module | None:
@@ -29,8 +29,6 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
         else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if not dist.is_main:
         return None
-    # non-persistent buffers (rotary tables) are in no state dict: take the training model's, already right
-    buffers = {k.replace("_orig_mod.", "").removeprefix("hf."): v.detach().cpu() for k, v in model.named_buffers()}
     from shardlm.fp8 import plain_state_dict  # fp8 + FSDP: torchao's weight wrappers survive full state dicts
 
     state = plain_state_dict(state)
@@ -39,9 +37,7 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
     state = inference_state(state, model)
     hf = empty_model(hf_config, "meta")
     hf.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, assign=True, strict=False)
-    for name, buf in buffers.items():
-        owner, _, attr = name.rpartition(".")
-        hf.get_submodule(owner)._buffers[attr] = buf
+    fill_meta_buffers(hf)  # non-persistent buffers (rotary tables) are in no state dict
     hf.tie_weights()
     hf.config.use_cache = True
     return hf.to(device).eval()

@@ -34,7 +34,6 @@ from shardlm import ShardlmError
 from shardlm.config import Config, LoraConfig
 
 ADAPTER = "default"  # PEFT's adapter name
-QUANTIZE = ("nf4",)
 
 
 def enabled(cfg: Config) -> bool:
@@ -42,38 +41,15 @@ def enabled(cfg: Config) -> bool:
 
 
 def check(cfg: Config, device: torch.device | None = None) -> None:
-    """What can be refused before any work: LoRA settings, from-scratch models, QLoRA without CUDA."""
-    lc = cfg.lora
-    if lc.r < 0:
-        raise ShardlmError(f"lora.r must be >= 0 (0 = full fine-tuning), got {lc.r}.")
-    if lc.quantize is not None and lc.quantize not in QUANTIZE:
-        raise ShardlmError(f"lora.quantize={lc.quantize!r} is not one of {', '.join(QUANTIZE)} or null.")
-    if lc.quantize and lc.r == 0:
-        raise ShardlmError(f"lora.quantize={lc.quantize} quantizes the frozen base of a LoRA run: set lora.r "
-                           "(e.g. lora.r=16) or lora.quantize=null.")
-    if not enabled(cfg):
+    """QLoRA, the one LoRA refusal that depends on the device (the settings are checked with the config)."""
+    if not enabled(cfg) or cfg.lora.quantize != "nf4":
         return
-    if cfg.model.name is None:
-        raise ShardlmError(f"lora.r={lc.r} adapts a pretrained model, but model.name is null (a model trained from "
-                           "scratch has nothing to adapt). Set model.name to a pretrained folder or hub name, or "
-                           "lora.r=0 for training from scratch.")
-    if lc.alpha <= 0:
-        raise ShardlmError(f"lora.alpha must be > 0, got {lc.alpha}.")
-    if not 0.0 <= lc.dropout < 1.0:
-        raise ShardlmError(f"lora.dropout must be in [0, 1), got {lc.dropout}.")
-    if cfg.parallel.precision == "fp8":
-        raise ShardlmError("lora.r > 0 with parallel.precision=fp8 is not supported (float8 linears do not wrap "
-                           "PEFT's adapter layers). Use parallel.precision=bf16 (or fp32) for LoRA.")
-    if lc.target_modules is not None and not lc.target_modules:
-        raise ShardlmError("lora.target_modules is an empty list: give module names (e.g. [q_proj, v_proj]) or "
-                           "null for every attention and MLP projection.")
-    if lc.quantize == "nf4":
-        cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
-        if not cuda:
-            raise ShardlmError("lora.quantize=nf4 (QLoRA) needs a CUDA GPU (bitsandbytes 4-bit kernels); this run "
-                               "is on CPU. Use lora.quantize=null (LoRA on full-precision base weights) on CPU.")
-        raise ShardlmError("lora.quantize=nf4 (QLoRA) is not implemented under FSDP2 in this version. Use "
-                           "lora.quantize=null (LoRA on bf16 base weights: parallel.precision=bf16).")
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    if not cuda:
+        raise ShardlmError("lora.quantize=nf4 (QLoRA) needs a CUDA GPU (bitsandbytes 4-bit kernels); this run "
+                           "is on CPU. Use lora.quantize=null (LoRA on full-precision base weights) on CPU.")
+    raise ShardlmError("lora.quantize=nf4 (QLoRA) is not implemented under FSDP2 in this version. Use "
+                       "lora.quantize=null (LoRA on bf16 base weights: parallel.precision=bf16).")
 
 
 def _linear_types() -> tuple[type, ...]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.config import Config
+from shardlm.config import Config, nearest
 from shardlm.hub import hub_kwargs, hub_reachable
 from shardlm.loss import linear_cross_entropy, logits_cross_entropy
 from shardlm.tokenizer import tokenizer_spec
@@ -102,7 +102,8 @@ def scratch_config(cfg: Config, tokenizer):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
 
     if m.arch not in CAUSAL_LMS:
-        raise ShardlmError(f"model.arch={m.arch!r} is not a causal LM family of transformers.{_nearest_arch(m.arch)} "
+        hint = nearest(m.arch, list(CAUSAL_LMS))
+        raise ShardlmError(f"model.arch={m.arch!r} is not a causal LM family of transformers.{hint} "
                            f"Tested: {', '.join(TESTED_FAMILIES)}; any model_type of AutoModelForCausalLM works.")
     defaults = AutoConfig.for_model(m.arch)
     sizes = {"vocab_size": len(tokenizer), "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
@@ -117,15 +118,6 @@ def scratch_config(cfg: Config, tokenizer):
     mlp = "ffn_dim" if hasattr(defaults, "ffn_dim") else "intermediate_size"
     sizes[mlp] = m.intermediate_size or 4 * m.n_embd
     return AutoConfig.for_model(m.arch, **{**sizes, **m.config_overrides})
-
-
-def _nearest_arch(arch: str) -> str:
-    import difflib
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
-
-    match = difflib.get_close_matches(arch, list(CAUSAL_LMS), n=1)
-    return f" Did you mean {match[0]!r}?" if match else ""
 
 
 def pretrained_config(cfg: Config):
