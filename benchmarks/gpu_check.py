@@ -5,8 +5,8 @@
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check.json   # every stage on CPU, tiny sizes (CI)
 
 Each stage runs in its own process tree under its own timeout (an OOM or a hang cannot take the others
-down) and prints one line when it finishes. Stages that measure time run first, one at a time, alone on
-the GPU; then those that measure memory or correctness run side by side (--jobs). The last line is one JSON
+down) and prints one line when it finishes. Stages that measure memory or correctness run first, side by
+side (--jobs); then those that measure time, one at a time, alone on the GPU. The last line is one JSON
 object, also written to benchmarks/results/gpu_<device>_<date>.json: {"device", "torch", "date",
 "stages": [{"name", "ok", "seconds", ...figures}], "mfu", "speedup_vs_hf"}. A failed stage has ok=false
 and its error tail (the exit code is then 1). No stage runs past --budget-s. Without a CUDA GPU (and
@@ -22,12 +22,14 @@ so a checkout on PYTHONPATH works.
   vs_hf          HF Trainer (SDPA, torch_compile) on the same model, data, batch, precision and AdamW:
                  speedup_vs_hf = the best shardlm tokens/s / HF Trainer's
   max_batch      the largest micro-batch at seq 512 within 16 GiB: shardlm, HF Trainer, shardlm + AC
-  xl_offload     GPT-2 XL (1.5B) trains with parallel.cpu_offload=true within 24 GiB
+  xl_offload     GPT-2 XL (1.5B) trains with parallel.cpu_offload=true within 24 GiB (its tokens/s is taken
+                 beside the other correctness stages: whether it fits is the check)
   resume         kill -9 right after a checkpoint, then resume: each step's loss equals the uninterrupted
                  run's (fp32: ==, bf16: within BF16_TOL)
   estimate_tune  `shardlm estimate` is within 15% of the measured step peak; `shardlm tune` writes its file
   profile        torch.profiler over steady-state steps of the compiled 124M: top kernels, GPU busy fraction,
-                 which SDPA kernel ran
+                 which SDPA kernel ran (in throughput's compiled one-process run when both are asked for:
+                 the model is compiled once)
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import datetime
 import importlib.metadata
 import itertools
 import json
-import math
 import os
 import re
 import signal
@@ -71,7 +72,7 @@ class Sizes:
     warmup: int
     compiles: tuple[str, ...]  # the parallel.compile values `throughput` measures
     hf_compile: bool
-    mb: dict  # max_batch: seq, cap (GiB, None = none), budget (GiB), max
+    mb: dict  # max_batch: seq, cap (GiB, None = none), budget (GiB), max, start (the first trial's batch)
     xl: dict  # xl_offload: size, seq, batch, cap
     resume: dict  # model, tokenizer, seq, batch, steps, kill_at, precisions
     estimate: str  # estimate_tune: this size (GPT-2 BPE) at throughput's seq, batch and precision
@@ -80,14 +81,14 @@ class Sizes:
 
 
 GPU = Sizes("124M", "gpt2", 1024, 16, "bf16", steps=20, warmup=5, compiles=("false", "model"), hf_compile=True,
-            mb={"seq": 512, "cap": 16.0, "budget": 16.0, "max": 128},
+            mb={"seq": 512, "cap": 16.0, "budget": 16.0, "max": 128, "start": 8},
             xl={"size": "1558M", "seq": 1024, "batch": 4, "cap": 24.0},
             resume={"model": "6x6x384", "tokenizer": "gpt2", "seq": 256, "batch": 8, "steps": 12, "kill_at": 6,
                     "precisions": ("fp32", "bf16")},
             estimate="124M", tune={"model": "4x4x256", "tokenizer": "gpt2", "seq": 256, "budget": 2.0, "max": 8},
             pytest=("-m", "cuda"))
 DRY = Sizes("2x2x64", "bytes", 64, 4, "fp32", steps=3, warmup=1, compiles=("false",), hf_compile=False,
-            mb={"seq": 64, "cap": None, "budget": 4.0, "max": 1},
+            mb={"seq": 64, "cap": None, "budget": 4.0, "max": 1, "start": 1},
             xl={"size": "2x2x64", "seq": 64, "batch": 2, "cap": None},
             resume={"model": "2x2x64", "tokenizer": "bytes", "seq": 64, "batch": 4, "steps": 6, "kill_at": 3,
                     "precisions": ("fp32",)},
@@ -122,10 +123,10 @@ def model_overrides(model: str, tokenizer: str, seq: int) -> list[str]:
 
 
 def mfu_run(z: Sizes, size: str, seq: int, batch: int, extra: list[str], steps: int, warmup: int,
-            torchrun: bool = False, cap: float | None = None) -> dict:
+            torchrun: bool = False, cap: float | None = None, profile: int = 0) -> dict:
     """One benchmarks/mfu.py measurement in its own process (under torchrun, one rank, when asked)."""
     argv = [str(BENCH / "mfu.py"), "--sizes", size, "--seq", str(seq), "--batch", str(batch), "--steps", str(steps),
-            "--warmup", str(warmup), "--precision", z.precision, "--data", "shakespeare"]
+            "--warmup", str(warmup), "--precision", z.precision, "--data", "shakespeare", "--profile", str(profile)]
     argv += [f"--extra={e}" for e in [f"model.tokenizer={z.tokenizer}", f"out_dir={scratch('mfu')}", *extra]]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"] if torchrun else []
     proc = run([sys.executable, *launcher, *argv, *(["--cap-gb", str(cap)] if cap else [])])
@@ -152,21 +153,27 @@ def build_trainer(size: str, tokenizer: str, z: Sizes, compile_: str = "false"):
 
 # ---- stages: each returns {"ok", "summary", ...figures} ---------------------------------------------------
 def stage_tests(z: Sizes) -> dict:
-    proc = run([sys.executable, "-m", "pytest", *z.pytest, "-p", "no:cacheprovider", "-o", "addopts=-q",
-                "--tb=line", "-rf"])  # the failing assertions, not the slowest-tests table, end the output
+    proc = run([sys.executable, "-m", "pytest", *z.pytest, "-p", "no:cacheprovider", "-p", "no:warnings", "-o",
+                "addopts=-q", "--tb=short", "-rf"])
     counts = {key.rstrip("s"): int(n) for n, key in re.findall(r"(\d+) (passed|failed|errors?|skipped)", proc.stdout)}
     ok = proc.returncode == 0 and counts.get("passed", 0) > 0
     line = next((x for x in reversed(proc.stdout.splitlines()) if " in " in x and "passed" in x), "")
-    return {"ok": ok, "summary": line.strip("= "), **counts, **({} if ok else {"error": tail(proc)})}
+    why = [x for x in proc.stdout.splitlines() if x.startswith(("E ", "FAILED", "ERROR"))]  # the assertions
+    return {"ok": ok, "summary": line.strip("= "), **counts,
+            **({} if ok else {"error": "\n".join(why)[-3000:] or tail(proc)})}
 
 
-def stage_throughput(z: Sizes) -> dict:
+def stage_throughput(z: Sizes, profile_here: bool = False) -> dict:
     rows = []
+    profiled = None
     for launch, compile_ in itertools.product(("python", "torchrun"), z.compiles):
         extra = [f"parallel.compile={compile_}", *(["parallel.fsdp=true"] if launch == "torchrun" else [])]
         row: dict = {"launch": launch, "compile": compile_}
+        profile = PROFILE_STEPS if profile_here and (launch, compile_) == ("python", z.compiles[-1]) else 0
         try:
-            got = mfu_run(z, z.size, z.seq, z.batch, extra, z.steps, z.warmup, torchrun=launch == "torchrun")
+            got = mfu_run(z, z.size, z.seq, z.batch, extra, z.steps, z.warmup, torchrun=launch == "torchrun",
+                          profile=profile)
+            profiled = got.get("profile", profiled)
             row.update({k: got[k] for k in ("fsdp", "tokens_per_s", "mfu", "peak_mem_gb", "step_s")})
             row["ok"] = got["fsdp"] == (launch == "torchrun")  # the torchrun rows are the FSDP2 ones
         except StageError as e:
@@ -177,7 +184,7 @@ def stage_throughput(z: Sizes) -> dict:
                f"mfu {best['mfu']})") if best else "no row ran"
     return {"ok": all(r["ok"] for r in rows), "summary": summary, "model": z.size, "seq": z.seq, "batch": z.batch,
             "precision": z.precision, "rows": rows, "best_tokens_per_s": best and best["tokens_per_s"],
-            "best_mfu": best and best["mfu"]}
+            "best_mfu": best and best["mfu"], **({"profile": profiled} if profiled else {})}
 
 
 def stage_vs_hf(z: Sizes) -> dict:
@@ -198,12 +205,13 @@ def stage_vs_hf(z: Sizes) -> dict:
 
 
 def side_by_side(cap_gb: float | None, most: int) -> int:
-    """How many capped trial processes fit the GPU at once, leaving 16 GiB to the stages that run beside."""
+    """How many capped trial processes fit the GPU at once, leaving 40 GiB to the stages that run beside
+    (xl_offload's 24 GiB and the tests, resume and estimate_tune)."""
     import torch
 
     if not cap_gb or not torch.cuda.is_available():
         return most
-    return max(1, min(most, int((torch.cuda.get_device_properties(0).total_memory / 2**30 - 16) // cap_gb)))
+    return max(1, min(most, int((torch.cuda.get_device_properties(0).total_memory / 2**30 - 40) // cap_gb)))
 
 
 def stage_max_batch(z: Sizes) -> dict:
@@ -212,7 +220,8 @@ def stage_max_batch(z: Sizes) -> dict:
 
     m = z.mb
     argv = ["--seq", str(m["seq"]), "--model", ",".join(map(str, dims(z.size))), "--precision", z.precision,
-            "--budget-gb", str(m["budget"]), "--max-batch", str(m["max"]), "--data", "shakespeare"]
+            "--budget-gb", str(m["budget"]), "--max-batch", str(m["max"]), "--data", "shakespeare",
+            "--start", str(m["start"])]
     argv += ["--cap-gb", str(m["cap"])] if m["cap"] else []
     rows = {"shardlm": ("shardlm", []), "hf_trainer": ("hf", []), "shardlm_ac": ("shardlm", ["--ac"])}
     with ThreadPoolExecutor(side_by_side(m["cap"], len(rows))) as pool:  # memory, not time, is measured
@@ -302,55 +311,14 @@ def stage_estimate_tune(z: Sizes) -> dict:
             **({} if tuned else {"tune_error": tail(proc)})}
 
 
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals."""
-    total, end = 0.0, -math.inf
-    for s, e in sorted(intervals):
-        total += max(0.0, e - max(s, end))
-        end = max(end, e)
-    return total
+PROFILE_STEPS = 3
 
 
-def sdpa_kernel(names: list[str]) -> str:
-    low = " ".join(names).lower()
-    for label, marks in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient"))):
-        if any(m in low for m in marks):
-            return label
-    return "math or unknown"
-
-
-def stage_profile(z: Sizes, steps: int = 3) -> dict:
-    import torch
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    _, trainer = build_trainer(z.size, z.tokenizer, z, z.compiles[-1])  # as compiled as throughput goes
-    on_gpu = trainer.device.type == "cuda"
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    for _ in range(z.warmup + 1):
-        trainer.train_step()
-    sync()
-    began = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
-        for _ in range(steps):
-            trainer.train_step()
-        sync()
-    wall_us = (time.perf_counter() - began) * 1e6
-    # on a GPU: device activity (kernels, copies); on CPU (dry run): aten ops by self time
-    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA] if on_gpu else \
-        [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-    by_name: dict[str, float] = {}
-    for e in events:
-        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.elapsed_us() if on_gpu else e.self_cpu_time_total)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-    attention = [n for n in by_name if re.search(r"flash|fmha|efficient|cudnn|scaled_dot_product|sdpa", n, re.I)]
-    busy = busy_us([(e.time_range.start, e.time_range.end) for e in events]) / wall_us if on_gpu else None
-    label = sdpa_kernel(attention) if on_gpu else (attention[0] if attention else "none")
-    return {"ok": bool(top and attention), "steps": steps, "batch": z.batch, "compile": z.compiles[-1],
-            "summary": f"GPU busy {busy:.0%}, SDPA: {label}" if on_gpu else f"SDPA: {label}",
-            "wall_ms": round(wall_us / 1e3, 1), "gpu_busy_fraction": round(busy, 3) if on_gpu else None,
-            "sdpa_kernel": label, "attention_kernels": attention[:6],
-            "top_kernels_ms": [[n[:160], round(t / 1e3, 3)] for n, t in top]}  # summed over the profiled steps
+def stage_profile(z: Sizes) -> dict:
+    """Only when throughput is not run: otherwise its compiled one-process row profiles (see run_all)."""
+    got = mfu_run(z, z.size, z.seq, z.batch, [f"parallel.compile={z.compiles[-1]}"], steps=1, warmup=z.warmup,
+                  profile=PROFILE_STEPS)
+    return {**got["profile"], "batch": z.batch, "compile": z.compiles[-1]}
 
 
 STAGES: dict[str, tuple[Callable[[Sizes], dict], int, bool]] = {  # name -> (its process runs, timeout s, timed)
@@ -358,7 +326,7 @@ STAGES: dict[str, tuple[Callable[[Sizes], dict], int, bool]] = {  # name -> (its
     "throughput": (stage_throughput, 300, True),
     "vs_hf": (stage_vs_hf, 180, True),
     "max_batch": (stage_max_batch, 240, False),
-    "xl_offload": (stage_xl_offload, 240, True),
+    "xl_offload": (stage_xl_offload, 240, False),
     "resume": (stage_resume, 180, False),
     "estimate_tune": (stage_estimate_tune, 180, False),
     "profile": (stage_profile, 120, True),
@@ -388,7 +356,7 @@ def run_stage(name: str, args: argparse.Namespace, deadline: float) -> dict:
     if timeout < 15:
         return {"name": name, "ok": False, "seconds": 0.0, "error": "not run: the --budget-s time was spent"}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", name, "--batch", str(args.batch)]
-    cmd += ["--dry-run"] if args.dry_run else []
+    cmd += (["--dry-run"] if args.dry_run else []) + (["--profile-here"] if args.profile_here else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -413,11 +381,17 @@ def run_all(names: list[str], args: argparse.Namespace, deadline: float) -> list
     """The stages that measure memory or correctness side by side, `args.jobs` at a time (a dry run overlaps
     them all); then those that measure time (timed in STAGES) one at a time, alone on the GPU. Correctness
     goes first so that a run cut short by --budget-s loses a timing, never a check."""
-    alone = [] if args.dry_run else [n for n in names if STAGES[n][2]]
+    folded = "profile" in names and "throughput" in names  # profiled inside throughput: one compile
+    todo = [n for n in names if not (folded and n == "profile")]
+    alone = [] if args.dry_run else [n for n in todo if STAGES[n][2]]
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = [pool.submit(run_stage, n, args, deadline) for n in names if n not in alone]
+        futures = [pool.submit(run_stage, n, args, deadline) for n in todo if n not in alone]
         done = {s["name"]: s for s in (report(f.result()) for f in as_completed(futures))}
     done.update({n: report(run_stage(n, args, deadline)) for n in alone})
+    if folded:
+        t = done["throughput"]
+        done["profile"] = report({"name": "profile", "seconds": t["seconds"], "in_stage": "throughput",
+                                  **(t.pop("profile", None) or {"ok": False, "error": "throughput ran no profile"})})
     return [done[n] for n in names]
 
 
@@ -436,10 +410,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--batch", type=int, default=16, help="micro-batch of throughput, vs_hf and profile")
     p.add_argument("--budget-s", type=float, default=480, help="no stage starts or runs past this many seconds")
-    p.add_argument("--jobs", type=int, default=None, help="untimed stages at once (default 4; 2 with --dry-run)")
+    p.add_argument("--jobs", type=int, default=None, help="untimed stages at once (default 5; 2 with --dry-run)")
     p.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/gpu_<device>_<date>.json; "
                                                "a temporary file with --dry-run)")
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)  # internal: run one stage here
+    p.add_argument("--profile-here", action="store_true", help=argparse.SUPPRESS)  # internal: throughput profiles
     return p.parse_args()
 
 
@@ -447,12 +422,14 @@ def main() -> int:
     args, began = parse_args(), time.time()
     if args.stage:  # a stage's own process: its result is the STAGE line
         try:
-            result = STAGES[args.stage][0](DRY if args.dry_run else replace(GPU, batch=args.batch))
+            z = DRY if args.dry_run else replace(GPU, batch=args.batch)
+            result = stage_throughput(z, args.profile_here) if args.stage == "throughput" else STAGES[args.stage][0](z)
         except Exception as e:  # noqa: BLE001 - reported as the stage's error
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"[-3000:]}
         print("STAGE " + json.dumps(result, default=str), flush=True)
         return 0
     names = [s for s in args.stages.split(",") if s]
+    args.profile_here = "profile" in names and "throughput" in names
     if unknown := [s for s in names if s not in STAGES]:
         raise SystemExit(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(STAGES)}")
     device, torch_version = "cpu", importlib.metadata.version("torch")  # a dry run needs no torch here
@@ -465,7 +442,7 @@ def main() -> int:
         device, torch_version = torch.cuda.get_device_name(), torch.__version__
     else:  # on CPU even where there is a GPU; tiny models run faster with one thread per process
         os.environ.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    args.jobs = args.jobs or (2 if args.dry_run else 4)
+    args.jobs = args.jobs or (2 if args.dry_run else 5)
     result = summarize(run_all(names, args, began + args.budget_s), device, torch_version, args, time.time() - began)
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     default = Path(tempfile.gettempdir()) / "gpu_check_dry_run.json" if args.dry_run else \

@@ -11,8 +11,9 @@ as not fitting. On CPU it is measured the same way for both sides: large blocks 
 kernel's peak-RSS counter is reset before the step, and its growth is added to the bytes resident before
 the step (parameters + optimizer state). Each trial runs in a fresh process.
 
-Search, up to `--max-batch`: once two batches fit, the next trial is where the straight line through their
-peaks meets the budget (peak memory grows linearly with the batch): 1, 2, the line's answer and one more
+Search, from `--start` (s) up to `--max-batch`: once two batches fit, the next trial is where the straight
+line through their peaks meets the budget (peak memory grows linearly with the batch): s, 2s, the line's answer
+and one more
 settle it when memory is linear, instead of ~2 log2(max) trials. Doubling, then bisection, where there is
 no line yet or a batch that did not fit contradicts it.
 """
@@ -104,6 +105,7 @@ def fits(side: str, batch: int, args) -> tuple[bool, float]:
             return False, float("nan")
         raise RuntimeError(f"{side} trial at batch {batch} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     peak = int(lines[0][5:]) / 2**30
+    print(f"{side} batch {batch}: peak {peak:.2f} GiB", file=sys.stderr, flush=True)  # progress, if cut short
     return peak <= args.budget_gb, peak
 
 
@@ -123,7 +125,7 @@ def next_batch(trials: dict[int, tuple[bool, float]], lo: int, hi: int, max_batc
 def search(side: str, args) -> dict:
     """Largest batch <= args.max_batch that fits (0: not even 1), with the peak of every trial."""
     trials: dict[int, tuple[bool, float]] = {}
-    lo, hi, batch = 0, args.max_batch + 1, 1
+    lo, hi, batch = 0, args.max_batch + 1, max(1, min(args.start, args.max_batch))
     while hi - lo > 1:
         trials[batch] = fits(side, batch, args)
         lo, hi = (batch, hi) if trials[batch][0] else (lo, batch)
@@ -145,6 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-gb", type=float, default=6.0)
     p.add_argument("--cap-gb", type=float, default=None, help="CUDA: each trial may allocate at most this (GiB)")
     p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--start", type=int, default=1, help="the first trial's batch (then twice it, then the line)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on both sides")
     p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
     return p.parse_args(argv)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,6 +74,7 @@ def measure(size: str, args) -> dict:
     if on_gpu:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - began
+    profiled = profile_steps(trainer, args.profile) if args.profile else None
     tps = args.steps * trainer.global_batch * trainer.seq_len / elapsed
     peak = trainer.peak_flops
     plan = trainer.run.plan
@@ -80,10 +83,61 @@ def measure(size: str, args) -> dict:
               "world_size": trainer.dist.world_size, "tokens_per_s": round(tps),
               "step_s": round(elapsed / args.steps, 4),
               "mfu": round(trainer.flops_per_token * tps / (peak * trainer.dist.world_size), 4) if peak else None,
-              "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None}
+              "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None,
+              **({"profile": profiled} if profiled else {})}
     del trainer
     torch.cuda.empty_cache() if on_gpu else None
     return result
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    return total
+
+
+def sdpa_kernel(names: list[str]) -> str:
+    low = " ".join(names).lower()
+    for label, marks in (("cudnn", ("cudnn",)), ("flash", ("flash",)), ("efficient", ("fmha", "efficient"))):
+        if any(m in low for m in marks):
+            return label
+    return "math or unknown"
+
+
+def profile_steps(trainer, steps: int) -> dict:
+    """torch.profiler over `steps` steady-state steps, after the timed ones (same process: no second compile).
+    On a GPU: device activity by kernel, the busy fraction of the wall time, which SDPA kernel ran; on CPU
+    (the dry run): aten ops by self time."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = trainer.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync()
+    began = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        for _ in range(steps):
+            trainer.train_step()
+        sync()
+    wall_us = (time.perf_counter() - began) * 1e6
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA] if on_gpu else \
+        [e for e in prof.events() if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.elapsed_us() if on_gpu else e.self_cpu_time_total)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    attention = [n for n in by_name if re.search(r"flash|fmha|efficient|cudnn|scaled_dot_product|sdpa", n, re.I)]
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in events]) / wall_us if on_gpu else None
+    label = sdpa_kernel(attention) if on_gpu else (attention[0] if attention else "none")
+    return {"ok": bool(top and attention), "steps": steps,
+            "summary": f"GPU busy {busy:.0%}, SDPA: {label}" if on_gpu else f"SDPA: {label}",
+            "wall_ms": round(wall_us / 1e3, 1), "gpu_busy_fraction": round(busy, 3) if on_gpu else None,
+            "sdpa_kernel": label, "attention_kernels": attention[:6],
+            "top_kernels_ms": [[n[:160], round(t / 1e3, 3)] for n, t in top]}  # summed over the profiled steps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cap-gb", type=float, default=None, help="CUDA memory cap for this process (GiB)")
     p.add_argument("--data", default="shakespeare")
     p.add_argument("--extra", action="append", default=[], help="extra shardlm override")
+    p.add_argument("--profile", type=int, default=0, help="then profile this many steps (torch.profiler)")
     return p.parse_args(argv)
 
 

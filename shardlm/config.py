@@ -47,6 +47,7 @@ class ModelConfig:
     n_embd: int = 192  # model width (from scratch)
     intermediate_size: int | None = None  # MLP width (from scratch); None = the family's default
     n_positions: int | None = None  # context length (from scratch); None = data.seq_len, every position trained
+    vocab_multiple: int = 1  # from scratch: pad the vocabulary to a multiple of this (64 on GPUs: aligned lm_head)
     config_overrides: dict[str, Any] = field(default_factory=dict)  # any other HF config fields (from scratch)
     dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
     tokenizer: str | None = None  # None = the model's own, bytes from scratch; or bytes, gpt2, a folder, a hub name
@@ -340,6 +341,7 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("parallel.shard_size", cfg.parallel.shard_size, allow_zero=True)
+    _positive("model.vocab_multiple", cfg.model.vocab_multiple)
     if cfg.checkpoint.export_final and not cfg.checkpoint.save_final:
         raise ShardlmError("checkpoint.export_final=true exports the final checkpoint: it needs "
                            "checkpoint.save_final=true (or run `shardlm export` on a checkpoint later).")

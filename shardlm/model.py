@@ -95,8 +95,9 @@ def scratch_config(cfg: Config, tokenizer):
 
     m, eos = cfg.model, tokenizer.eos_token_id
     positions = m.n_positions or cfg.data.seq_len
+    vocab = padded_vocab(len(tokenizer), m.vocab_multiple)
     if m.arch == "gpt2":
-        return GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=m.n_embd, n_layer=m.n_layer,
+        return GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=m.n_embd, n_layer=m.n_layer,
                           n_head=m.n_head, bos_token_id=eos, eos_token_id=eos, use_cache=False,
                           **({"n_inner": m.intermediate_size} if m.intermediate_size else {}), **m.config_overrides)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
@@ -106,7 +107,7 @@ def scratch_config(cfg: Config, tokenizer):
         raise ShardlmError(f"model.arch={m.arch!r} is not a causal LM family of transformers.{hint} "
                            f"Tested: {', '.join(TESTED_FAMILIES)}; any model_type of AutoModelForCausalLM works.")
     defaults = AutoConfig.for_model(m.arch)
-    sizes = {"vocab_size": len(tokenizer), "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
+    sizes = {"vocab_size": vocab, "hidden_size": m.n_embd, "num_hidden_layers": m.n_layer,
              "num_attention_heads": m.n_head, "max_position_embeddings": positions,
              "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos, "use_cache": False}
     if hasattr(defaults, "num_key_value_heads"):
@@ -118,6 +119,14 @@ def scratch_config(cfg: Config, tokenizer):
     mlp = "ffn_dim" if hasattr(defaults, "ffn_dim") else "intermediate_size"
     sizes[mlp] = m.intermediate_size or 4 * m.n_embd
     return AutoConfig.for_model(m.arch, **{**sizes, **m.config_overrides})
+
+
+def padded_vocab(tokens: int, multiple: int) -> int:
+    """The vocabulary rounded up to `multiple`. GEMMs whose N is not a multiple of 8 miss the tensor-core
+    kernels: on an H100 GPT-2's lm_head (N = 50257) ran a cutlass sm80 fallback (profiled). nanoGPT pads to
+    50304, litgpt to multiples of 512. The extra ids are never targets, so training pushes their logits
+    down, and generation never emits them (they are suppressed in the generation config)."""
+    return -(-tokens // max(1, multiple)) * max(1, multiple)
 
 
 def pretrained_config(cfg: Config):
@@ -167,6 +176,8 @@ def model_config(cfg: Config, tokenizer):
         if hasattr(hf_cfg, key):
             setattr(hf_cfg, key, m.dropout)
     hf_cfg.use_cache = False
+    if m.name is None and hf_cfg.vocab_size > len(tokenizer):
+        hf_cfg.tokenizer_size = len(tokenizer)  # the padded ids above it are suppressed in generation
     check_tokenizer(hf_cfg, tokenizer, cfg)
     if (transform := logit_transform(hf_cfg)) and cfg.train.loss_chunk_size:
         raise ShardlmError(f"{hf_cfg.model_type} transforms its logits ({transform}={getattr(hf_cfg, transform)}), "
@@ -198,8 +209,16 @@ def empty_model(hf_cfg, device: torch.device | str) -> nn.Module:
 
     with torch.device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attention(hf_cfg),
-                                                trust_remote_code=getattr(hf_cfg, "trust_remote_code", False))
+        model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attention(hf_cfg),
+                                                 trust_remote_code=getattr(hf_cfg, "trust_remote_code", False))
+    model.generation_config.suppress_tokens = padding_ids(hf_cfg)
+    return model
+
+
+def padding_ids(hf_cfg) -> list[int] | None:
+    """The ids that model.vocab_multiple added (no token of the tokenizer), None where there are none."""
+    used = getattr(hf_cfg, "tokenizer_size", None)
+    return list(range(used, hf_cfg.vocab_size)) if used and used < hf_cfg.vocab_size else None
 
 
 @contextlib.contextmanager

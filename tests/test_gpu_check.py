@@ -59,10 +59,10 @@ def test_max_batch_search_is_exact_and_short(monkeypatch, peak, most_trials):
 
 
 def test_profile_helpers():
-    import gpu_check
+    import mfu
 
-    assert gpu_check.busy_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
-    assert gpu_check.sdpa_kernel(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>"]) == "flash"
-    assert gpu_check.sdpa_kernel(["fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]) == "efficient"
-    assert gpu_check.sdpa_kernel(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"]) == "cudnn"
-    assert gpu_check.sdpa_kernel(["ampere_bf16_s16816gemm"]) == "math or unknown"
+    assert mfu.busy_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
+    assert mfu.sdpa_kernel(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>"]) == "flash"
+    assert mfu.sdpa_kernel(["fmha_cutlassF_bf16_aligned_64x128_rf_sm80"]) == "efficient"
+    assert mfu.sdpa_kernel(["cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3"]) == "cudnn"
+    assert mfu.sdpa_kernel(["ampere_bf16_s16816gemm"]) == "math or unknown"

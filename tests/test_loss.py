@@ -149,3 +149,22 @@ def test_eval_refuses_a_stride_that_skips_tokens(hf_model, stride):
 
     with pytest.raises(ShardlmError, match=rf"--stride {stride}: give 1\.\.32"):
         evaluate_path(str(hf_model), ["data.val=unused.txt"], stride=stride)
+
+
+def test_padded_vocabulary_trains_the_same_loss_and_never_generates_a_padding_id(corpus, cache_dir, tmp_path):
+    """model.vocab_multiple=64: 257 byte ids -> 320 rows; shardlm's loss is the model's own labels loss, and
+    generation (hot enough to reach every id) never emits one of the 63 padding ids."""
+    from conftest import tiny
+    from shardlm.build import build
+    from shardlm.config import load_config
+    from shardlm.generate import generate_batch
+
+    run = build(load_config(None, tiny(corpus, cache_dir, tmp_path, **{"model.vocab_multiple": 64})))
+    hf = run.model.hf
+    assert hf.config.vocab_size == 320 and hf.generation_config.suppress_tokens == list(range(257, 320))
+    tokens = torch.randint(0, 257, (2, 33))
+    with torch.no_grad():
+        loss_sum, _ = run.model(tokens[:, :-1], tokens[:, 1:])
+        assert loss_sum / 64 == pytest.approx(hf(input_ids=tokens, labels=tokens).loss.item(), rel=1e-5)
+    out = generate_batch(hf.eval(), [[1, 2, 3]], max_new_tokens=60, eos=10**6, temperature=50.0)
+    assert len(out[0][0]) == 60 and max(out[0][0]) < 257
