@@ -72,6 +72,7 @@ class Sizes:
     warmup: int
     compiles: tuple[str, ...]  # the parallel.compile values `throughput` measures
     hf_compile: bool
+    vocab_multiple: int  # throughput, vs_hf (both sides) and profile: model.vocab_multiple
     mb: dict  # max_batch: seq, cap (GiB, None = none), budget (GiB), max, start (the first trial's batch)
     xl: dict  # xl_offload: size, seq, batch, cap
     resume: dict  # model, tokenizer, seq, batch, steps, kill_at, precisions
@@ -81,6 +82,7 @@ class Sizes:
 
 
 GPU = Sizes("124M", "gpt2", 1024, 16, "bf16", steps=20, warmup=5, compiles=("false", "model"), hf_compile=True,
+            vocab_multiple=64,
             mb={"seq": 512, "cap": 16.0, "budget": 16.0, "max": 128, "start": 8},
             xl={"size": "1558M", "seq": 1024, "batch": 4, "cap": 24.0},
             resume={"model": "6x6x384", "tokenizer": "gpt2", "seq": 256, "batch": 8, "steps": 12, "kill_at": 6,
@@ -88,6 +90,7 @@ GPU = Sizes("124M", "gpt2", 1024, 16, "bf16", steps=20, warmup=5, compiles=("fal
             estimate="124M", tune={"model": "4x4x256", "tokenizer": "gpt2", "seq": 256, "budget": 2.0, "max": 8},
             pytest=("-m", "cuda"))
 DRY = Sizes("2x2x64", "bytes", 64, 4, "fp32", steps=3, warmup=1, compiles=("false",), hf_compile=False,
+            vocab_multiple=64,
             mb={"seq": 64, "cap": None, "budget": 4.0, "max": 1, "start": 1},
             xl={"size": "2x2x64", "seq": 64, "batch": 2, "cap": None},
             resume={"model": "2x2x64", "tokenizer": "bytes", "seq": 64, "batch": 4, "steps": 6, "kill_at": 3,
@@ -128,6 +131,7 @@ def mfu_run(z: Sizes, size: str, seq: int, batch: int, extra: list[str], steps: 
     argv = [str(BENCH / "mfu.py"), "--sizes", size, "--seq", str(seq), "--batch", str(batch), "--steps", str(steps),
             "--warmup", str(warmup), "--precision", z.precision, "--data", "shakespeare", "--profile", str(profile)]
     argv += [f"--extra={e}" for e in [f"model.tokenizer={z.tokenizer}", f"out_dir={scratch('mfu')}", *extra]]
+    argv += [f"--extra=model.vocab_multiple={z.vocab_multiple}"] if size == z.size else []
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"] if torchrun else []
     proc = run([sys.executable, *launcher, *argv, *(["--cap-gb", str(cap)] if cap else [])])
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
@@ -194,7 +198,7 @@ def stage_vs_hf(z: Sizes) -> dict:
 
     argv = ["--model", ",".join(map(str, dims(z.size))), "--seq", str(z.seq), "--batch", str(z.batch), "--precision",
             z.precision, "--steps", str(z.steps), "--warmup", str(z.warmup), "--data", "shakespeare", "--tokenizer",
-            z.tokenizer, *(["--hf-compile"] if z.hf_compile else [])]
+            z.tokenizer, "--vocab-multiple", str(z.vocab_multiple), *(["--hf-compile"] if z.hf_compile else [])]
     try:
         hf = vs_hf_trainer.launch("hf", vs_hf_trainer.parse_args(argv), [])
     except SystemExit as e:  # launch() exits with the failed side's output

@@ -33,7 +33,7 @@ def settings(args) -> dict:
             "seq": args.seq or (1024 if args.gpu else 256), "batch": args.batch or 8,
             "precision": args.precision or ("bf16" if args.gpu else "fp32"), "steps": args.steps,
             "warmup": args.warmup if args.warmup is not None else (5 if args.gpu else 3),
-            "tokenizer": args.tokenizer, "hf_compile": args.hf_compile}
+            "tokenizer": args.tokenizer, "hf_compile": args.hf_compile, "vocab_multiple": args.vocab_multiple}
 
 
 def peak_memory_gb() -> float:
@@ -48,6 +48,7 @@ def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
     m = s["model"]
     return [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}", f"model.n_embd={m['n_embd']}",
             f"model.n_positions={s['seq']}", f"model.tokenizer={s.get('tokenizer', 'gpt2')}", "model.dropout=0.0",
+            f"model.vocab_multiple={s.get('vocab_multiple', 1)}",
             f"data.train={data}", f"data.seq_len={s['seq']}", f"train.batch_size={s['batch']}",
             f"train.max_steps={s['steps']}",
             "train.lr=6e-4", "train.warmup_steps=2", "train.weight_decay=0.1", "train.grad_clip=1.0",
@@ -96,6 +97,7 @@ def run_hf(s: dict, data: str) -> dict:
     from shardlm.config import load_config
     from shardlm.data import GlobalSampler, prepare_data
     from shardlm.dist import Dist, LaunchInfo
+    from shardlm.model import padded_vocab
     from shardlm.tokenizer import load_tokenizer
 
     cfg = load_config(None, shardlm_overrides(s, data, []))
@@ -109,7 +111,8 @@ def run_hf(s: dict, data: str) -> dict:
 
     m = s["model"]
     torch.manual_seed(cfg.train.seed)
-    config = GPT2Config(vocab_size=len(tok), n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    vocab = padded_vocab(len(tok), s.get("vocab_multiple", 1))  # the same padded vocabulary as shardlm's
+    config = GPT2Config(vocab_size=vocab, n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, use_cache=False, **m)
     config._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(config)
@@ -177,6 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="steps left out of tokens/s (default 5 --gpu, else 3)")
     p.add_argument("--tokenizer", default="gpt2", help="gpt2 (the GPT-2 BPE) or bytes (tiny vocabulary, for tests)")
     p.add_argument("--hf-compile", action="store_true", help="HF Trainer with torch_compile=True")
+    p.add_argument("--vocab-multiple", type=int, default=1, help="both sides: vocabulary padded to this multiple")
     p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
     p.add_argument("--extra", action="append", default=[], help="extra shardlm override, e.g. parallel.compile=model")
     return p.parse_args(argv)

@@ -122,9 +122,14 @@ def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Modul
         blocks[i] = block
     if pl.use_fsdp:
         shard(model, blocks, cfg, pl, dist)
-    if pl.compile == "model" and pl.use_fsdp:
+    if pl.compile == "model" and model.loss_chunk_size and dist.device.type == "cuda":
+        # torch 2.11 + CUDA: inductor's code for the chunked loss launched a Triton kernel on a CPU buffer
+        # (triton_poi_fused_zeros: "Pointer argument cannot be accessed from Triton"). The chunked loss is
+        # matmul-bound, so it runs eager there; the plain loss (auto's choice on CUDA) is still compiled.
+        model.loss_fn = torch.compiler.disable(model.loss_fn)
+    elif pl.compile == "model" and pl.use_fsdp:
         model.loss_fn = torch.compile(model.loss_fn, dynamic=False)
-    elif pl.compile == "model":
+    if pl.compile == "model" and not pl.use_fsdp:
         model.compile(dynamic=False)
     return model
 
