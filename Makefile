@@ -38,6 +38,7 @@ test: install-test
 
 lint: install-test
 	$(PY) -m ruff check shardlm tests benchmarks
+	$(PY) -m mypy
 
 gpu-check:
 	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)

@@ -30,7 +30,7 @@ def worker(out_dir: str, mode: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     from shardlm.build import build_model, build_optimizer, init_dist
-    from shardlm.checkpoint import Checkpointer
+    from shardlm.checkpoint import model_parts
     from shardlm.config import load_config
     from shardlm.model import model_config
     from shardlm.tokenizer import load_tokenizer
@@ -44,7 +44,7 @@ def worker(out_dir: str, mode: str) -> None:
     loss, _ = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     opt.step()  # creates the AdamW state
-    state = Checkpointer._state(None, type("T", (), {"model": model, "run": type("R", (), {"optimizer": opt})})())
+    state = {name: part.state_dict() for name, part in model_parts(model, opt).items()}  # what a checkpoint shards
     path = os.path.join(out_dir, "ckpt")
     d.barrier()
     before, began = rss_gb(), time.perf_counter()

@@ -266,10 +266,10 @@ def check_resume(r: dict, precision: str, where: Path) -> dict:
             "train.log_every=1", "train.eval_every=0", "train.warmup_steps=2", "train.sample_tokens=0",
             "log.tensorboard=false", "log.progress=lines", f"parallel.precision={precision}", "parallel.compile=false"]
     ref, cut = where / f"{precision}-reference", where / f"{precision}-killed"
-    train = lambda out: [sys.executable, "-m", "shardlm", "train", *base, f"out_dir={out}"]  # noqa: E731
+    train = lambda out, *extra: [sys.executable, "-m", "shardlm", "train", *base, f"out_dir={out}", *extra]  # noqa: E731
+    kill = f"--callback={ROOT / 'tests' / 'faults.py'}:KillAfterSave({r['kill_at']})"  # kill -9 after that save
     with ThreadPoolExecutor(2) as pool:  # independent runs
-        done = list(pool.map(lambda a: run(train(a[0]), a[1]),
-                             [(ref, {}), (cut, {"SHARDLM_TEST_KILL_AFTER_SAVE": str(r["kill_at"])})]))
+        done = list(pool.map(run, [train(ref), train(cut, kill)]))
     if done[0].returncode != 0 or done[1].returncode != -signal.SIGKILL:
         raise StageError(f"{precision}: reference {tail(done[0])}\nkilled run {tail(done[1])}")
     resumed = run(train(cut))

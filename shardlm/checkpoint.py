@@ -6,6 +6,10 @@ and finally `manifest.json`, then renames the folder and moves `latest`. "Comple
 present, DCP metadata readable, every shard file it names present. Nothing here unpickles anything but
 DCP's own metadata; extra state is JSON.
 
+What is saved is a dict of stateful parts (`stateful_parts`: model, optimizer, schedule, the trainer's
+`train_state`, RNG), each with `state_dict()` / `load_state_dict()` as in torchtitan: the Checkpointer knows
+where each part goes on disk, not what it is, so it never reads or writes Trainer fields.
+
 A LoRA run (`lora.r > 0`) saves only what changes: the adapter weights (not the frozen base), their optimizer
 state, the schedule, the data position and the RNG; the manifest records the base's identity
 (`shardlm.lora.base_identity`) and a resume or load onto another base is refused.
@@ -13,6 +17,7 @@ state, the schedule, the data position and the RNG; the manifest records the bas
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,7 +25,9 @@ import shutil
 import signal
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -32,9 +39,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from shardlm import ShardlmError, __version__, lora
 from shardlm.config import save_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
+    from shardlm.build import Run
 
 # One process without a process group saves and loads through the same DCP path; DCP warns about it.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -97,41 +111,89 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
     return found
 
 
-def _rng_state() -> dict:
-    np_state = np.random.get_state(legacy=False)
-    np_state["state"] = {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}
-    state = {"python": _jsonable(random.getstate()), "numpy": np_state,
-             "torch": torch.get_rng_state().tolist()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def _jsonable(obj):
-    return [_jsonable(x) for x in obj] if isinstance(obj, (tuple, list)) else obj
-
-
-def _set_rng_state(state: dict) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np_state = state["numpy"]
-    np_state["state"]["key"] = np.asarray(np_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state(np_state)
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
 def arch_of(hf_config) -> dict:
     d = hf_config.to_dict()
     return {k: d[k] for k in ARCH_KEYS if k in d}
 
 
+class ModelState:
+    """The model's weights as DCP-sharded tensors; of a LoRA run (`adapters_only`) the adapter weights alone."""
+
+    def __init__(self, model: torch.nn.Module, adapters_only: bool = False):
+        self.model, self.adapters_only = model, adapters_only
+
+    def state_dict(self) -> dict[str, Any]:
+        weights = get_model_state_dict(self.model)
+        return lora.adapter_state(weights) if self.adapters_only else weights
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
+
+
+class OptimizerState:
+    """The optimizer's state, keyed by parameter name and sharded like the parameters."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class RngState:
+    """Python, NumPy, torch (and CUDA) generators of this rank, as JSON."""
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=False)
+        np_state["state"] = {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}
+        version, internal, gauss = random.getstate()
+        state = {"python": [version, list(internal), gauss], "numpy": np_state, "torch": torch.get_rng_state().tolist()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state().tolist()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        py = state["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        np_state = state["numpy"]
+        np_state["state"]["key"] = np.asarray(np_state["state"]["key"], dtype=np.uint32)
+        np.random.set_state(np_state)
+        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+# Where each part of a checkpoint goes: tensors into DCP's shards; per-rank parts into PART_rankNNNNN.json;
+# the rest into rank 0's trainer_state.json (train_state's keys at the top, every other part under its name).
+SHARDED, PER_RANK = ("model", "optim"), ("rng",)
+
+
+def model_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                adapters_only: bool = False) -> dict[str, Stateful]:
+    """The sharded parts: what `dcp.save` writes (benchmarks/checkpoint_io.py measures exactly this)."""
+    return {"model": ModelState(model, adapters_only), "optim": OptimizerState(model, optimizer)}
+
+
+def stateful_parts(run: Run, train_state: Stateful) -> dict[str, Stateful]:
+    """Everything a resume restores: model, optimizer, schedule, the trainer's own state and the RNG."""
+    return {**model_parts(run.model, run.optimizer, lora.enabled(run.cfg)), "scheduler": run.scheduler,
+            "train_state": train_state, "rng": RngState()}
+
+
 class Checkpointer:
-    def __init__(self, run):
+    """Saves and restores `parts` (name -> object with state_dict/load_state_dict), plus what makes a
+    checkpoint readable on its own (config, HF config, tokenizer, manifest), from the Run. It never sees the
+    Trainer: the trainer is one part among others (`train_state`). `on_saved(step, path)` runs on every rank
+    once a checkpoint is complete."""
+
+    def __init__(self, run: Run, parts: dict[str, Stateful], on_saved: Callable[[int, Path], None] | None = None):
         self.run, self.cfg, self.dist = run, run.cfg.checkpoint, run.dist
+        self.parts, self.on_saved = parts, on_saved
         self.root = run.out_dir / "checkpoints"
-        self.pending: tuple | None = None  # (future, tmp, final) of an async save
+        self.pending: tuple[Any, Path, Path, int, float] | None = None  # (future, tmp, final, step, began)
         self.signal_received = False
         self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
         self.lora = lora.enabled(run.cfg)
@@ -139,19 +201,25 @@ class Checkpointer:
         if self.dist.is_main:  # the folder itself is made by the first save
             for stale in self.root.glob("*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
-        self._install_signal_handlers()
 
     # ---- when ----------------------------------------------------------------------------------------
     def due(self, step: int, total: int) -> bool:
         return (self.cfg.every > 0 and step % self.cfg.every == 0) or (step == total and self.cfg.save_final)
 
-    def _install_signal_handlers(self) -> None:
+    @contextlib.contextmanager
+    def catch_signals(self) -> Iterator[None]:
+        """SIGTERM/SIGINT finish the step, save and stop, while the run lasts; the previous handlers (e.g. a
+        notebook's KeyboardInterrupt) come back after it."""
         def handler(signum, _frame):
             self.signal_received = True
             self.dist.print(f"received {signal.Signals(signum).name}: finishing this step, saving, exiting")
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
 
     def should_stop(self) -> bool:
         """Did any rank get SIGTERM/SIGINT? All ranks must agree on the step they stop at.
@@ -176,22 +244,18 @@ class Checkpointer:
         return stop
 
     # ---- save ----------------------------------------------------------------------------------------
-    def _state(self, trainer) -> dict:
-        """Model + optimizer state (DCP-sharded); of a LoRA run the adapter weights only."""
-        model, opt = trainer.model, trainer.run.optimizer
-        weights = get_model_state_dict(model)
-        if self.lora:
-            weights = lora.adapter_state(weights)
-        return {"model": weights, "optim": get_optimizer_state_dict(model, opt)}
+    def _sharded(self) -> dict[str, Any]:
+        return {name: self.parts[name].state_dict() for name in SHARDED if name in self.parts}
 
     def base_identity(self) -> dict:
         if self._base is None:
+            assert self.run.cfg.model.name is not None  # config validation: LoRA adapts a named base
             self._base = lora.base_identity(self.run.cfg.model.name)
         return self._base
 
-    def save(self, trainer) -> Path:
+    def save(self, step: int) -> Path:
         self.finish_pending()
-        final = step_dir(self.root, trainer.step)
+        final = step_dir(self.root, step)
         if final.exists() and is_complete(final) is None:
             return final  # this step is already saved (e.g. final save right after a periodic one)
         tmp = final.with_name(final.name + ".tmp")
@@ -201,16 +265,16 @@ class Checkpointer:
         self.dist.barrier()
         began = time.perf_counter()
         try:
-            self._write_extras(trainer, tmp)
+            self._write_host_parts(tmp)
             if self.cfg.async_save:
-                future = dcp.async_save(self._state(trainer), checkpoint_id=str(tmp))
-                self.pending = (future, tmp, final, trainer.step, began)
+                future = dcp.async_save(self._sharded(), checkpoint_id=str(tmp))
+                self.pending = (future, tmp, final, step, began)
                 return final
-            dcp.save(self._state(trainer), checkpoint_id=str(tmp))
+            dcp.save(self._sharded(), checkpoint_id=str(tmp))
         except OSError as e:
-            raise ShardlmError(f"saving checkpoint step {trainer.step} failed: {e.strerror or e}. Earlier "
+            raise ShardlmError(f"saving checkpoint step {step} failed: {e.strerror or e}. Earlier "
                                f"checkpoints in {self.root} are intact; free disk space and resume.") from None
-        self._publish(tmp, final, trainer.step, began)
+        self._publish(tmp, final, step, began)
         return final
 
     def finish_pending(self) -> None:
@@ -221,29 +285,34 @@ class Checkpointer:
         future.result()
         self._publish(tmp, final, step, began)
 
-    def _write_extras(self, trainer, tmp: Path) -> None:
-        run = trainer.run
-        (tmp / f"rng_rank{self.dist.rank:05d}.json").write_text(json.dumps(_rng_state()))
+    def _write_host_parts(self, tmp: Path) -> None:
+        """The JSON parts (see SHARDED, PER_RANK), then what makes the folder readable on its own."""
+        for name in PER_RANK:
+            (tmp / f"{name}_rank{self.dist.rank:05d}.json").write_text(json.dumps(self.parts[name].state_dict()))
         if not self.dist.is_main:
             return
-        state = {"step": trainer.step, "position": trainer.position, "global_batch": trainer.global_batch,
-                 "seq_len": trainer.seq_len, "bad_steps": trainer.bad_steps, "skipped_steps": trainer.skipped_steps,
-                 "scheduler": run.scheduler.state_dict(), "world_size": self.dist.world_size}
+        host = {name: part.state_dict() for name, part in self.parts.items() if name not in SHARDED + PER_RANK}
+        state = {**host.pop("train_state", {}), **host, "world_size": self.dist.world_size}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
-        save_config(run.cfg, tmp / "config.yaml")
-        (tmp / "hf_config.json").write_text(run.hf_config.to_json_string())
-        run.tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        save_config(self.run.cfg, tmp / "config.yaml")
+        hf_config, tokenizer = cast("PretrainedConfig", self.run.hf_config), cast("Tokenizer", self.run.tokenizer)
+        (tmp / "hf_config.json").write_text(hf_config.to_json_string())
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+
+    def write_manifest(self, tmp: Path, step: int, began: float) -> None:
+        """Rank 0, once every shard is on disk: the manifest makes the folder a complete checkpoint (after
+        the rename). tests/faults.py stops a run here to leave a torn checkpoint behind."""
+        manifest = {"step": step, "world_size": self.dist.world_size, "shardlm_version": __version__,
+                    "arch": arch_of(self.run.hf_config), "saved_at": time.time(),
+                    "save_seconds": time.perf_counter() - began, "lora": lora.describe(self.run.cfg)}
+        if self.lora:
+            manifest["base"] = self.base_identity()
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
     def _publish(self, tmp: Path, final: Path, step: int, began: float) -> None:
         self.dist.barrier()  # every rank's shard is on disk
         if self.dist.is_main:
-            _test_pause_hook(step, self.run.out_dir)
-            manifest = {"step": step, "world_size": self.dist.world_size, "shardlm_version": __version__,
-                        "arch": arch_of(self.run.hf_config), "saved_at": time.time(),
-                        "save_seconds": time.perf_counter() - began, "lora": lora.describe(self.run.cfg)}
-            if self.lora:
-                manifest["base"] = self.base_identity()
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            self.write_manifest(tmp, step, began)
             os.replace(tmp, final)
             latest = self.root / "latest"
             latest_tmp = self.root / "latest.tmp"
@@ -251,8 +320,8 @@ class Checkpointer:
             os.replace(latest_tmp, latest)
             self._retain(final)
         self.dist.barrier()
-        if os.environ.get("SHARDLM_TEST_KILL_AFTER_SAVE") == str(step):  # test hook: kill -9 right after
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.on_saved is not None:
+            self.on_saved(step, final)
 
     def _retain(self, newest: Path) -> None:
         complete = [p for p in list_checkpoints(self.root) if is_complete(p) is None]
@@ -261,7 +330,7 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     # ---- resume --------------------------------------------------------------------------------------
-    def maybe_resume(self, trainer) -> Path | None:
+    def maybe_resume(self) -> Path | None:
         spec = self.cfg.resume
         if spec == "none":
             return None
@@ -271,28 +340,25 @@ class Checkpointer:
                 return None
         else:
             path = self.dist.run_on_main(lambda: str(resolve_checkpoint(spec, self.dist.print)))
-        self.load(trainer, Path(path))
+        self.load(Path(path))
         return Path(path)
 
-    def load(self, trainer, path: Path) -> None:
+    def load(self, path: Path) -> None:
         manifest = json.loads((path / "manifest.json").read_text())
         check_lora(manifest, self.run.cfg, path, self.base_identity() if self.lora else None)
         check_compatible(manifest, self.run.hf_config, path)
-        state = self._state(trainer)
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=not self.lora))
-        set_optimizer_state_dict(trainer.model, trainer.run.optimizer, state["optim"])
-        ts = json.loads((path / "trainer_state.json").read_text())
-        trainer.step, trainer.position = ts["step"], ts["position"]
-        trainer.bad_steps, trainer.skipped_steps = ts["bad_steps"], ts["skipped_steps"]
-        trainer.run.scheduler.load_state_dict(ts["scheduler"])
-        rng_files = sorted(path.glob("rng_rank*.json"))
-        rng = rng_files[self.dist.rank % len(rng_files)]
-        _set_rng_state(json.loads(rng.read_text()))
-        if ts["global_batch"] != trainer.global_batch:
-            self.dist.print(f"note: global batch changed {ts['global_batch']} -> {trainer.global_batch} blocks; "
-                            f"the data stream continues at block {trainer.position}")
-        self.dist.print(f"resumed from {path} (step {trainer.step}, saved on {manifest['world_size']} rank(s))")
+        sharded = self._sharded()
+        dcp.load(sharded, checkpoint_id=str(path))
+        for name, state in sharded.items():
+            self.parts[name].load_state_dict(state)
+        saved = json.loads((path / "trainer_state.json").read_text())
+        for name, part in self.parts.items():
+            if name in PER_RANK:
+                files = sorted(path.glob(f"{name}_rank*.json"))  # another world size: ranks reuse them in turn
+                part.load_state_dict(json.loads(files[self.dist.rank % len(files)].read_text()))
+            elif name not in SHARDED:
+                part.load_state_dict(saved if name == "train_state" else saved[name])
+        self.dist.print(f"resumed from {path} (step {manifest['step']}, saved on {manifest['world_size']} rank(s))")
 
 
 def check_compatible(manifest: dict, hf_config, path: Path) -> None:
@@ -328,10 +394,3 @@ def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
                                f"{saved.get('target_modules')}, this run has {cfg.lora.target_modules}. Set "
                                "lora.target_modules to the checkpoint's to resume it, or use a new out_dir or "
                                "checkpoint.resume=none.")
-
-
-def _test_pause_hook(step: int, out_dir: Path) -> None:
-    """Test hook: SHARDLM_TEST_PAUSE_IN_SAVE=STEP stalls between the shard writes and the rename."""
-    if os.environ.get("SHARDLM_TEST_PAUSE_IN_SAVE") == str(step):
-        (out_dir / "paused_in_save").write_text(str(step))
-        time.sleep(3600)

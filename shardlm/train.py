@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import yaml
 
 from shardlm import tracking
 from shardlm.build import build
-from shardlm.checkpoint import Checkpointer
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
 from shardlm.generate import gather_hf_model, generate_text
 from shardlm.trainer import Trainer
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
+    """`callbacks`: shardlm.callbacks objects (`shardlm train --callback SPEC` loads them by name)."""
     tracking.require(cfg.log)  # a tracker that is not installed fails before any work
     run = build(cfg)
-    checkpointer = Checkpointer(run)
-    trainer = Trainer(run, checkpointer)
-    resumed = checkpointer.maybe_resume(trainer)
+    trainer = Trainer(run, checkpoint=True, callbacks=callbacks)
+    assert trainer.checkpointer is not None
+    resumed = trainer.checkpointer.maybe_resume()
     if resumed and trainer.step >= run.total_steps > 0:
         run.dist.print(f"nothing to train: {resumed} is step {trainer.step} and this config ends at step "
                        f"{run.total_steps}. To train further raise train.max_steps (or train.epochs); to start "

@@ -3,18 +3,21 @@ torn checkpoints, SIGTERM, export/generate/eval round trips."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
+from faults import fault
 
 from conftest import ROOT, records, shardlm_cli, tiny
 from gpu_check import kill_tree
 from shardlm.checkpoint import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12
+NO_DROPOUT = {"model.dropout": 0.0}
 
 
 def by_step(out_dir) -> dict[int, float]:
@@ -35,8 +38,7 @@ def reference(corpus, cache_dir, tmp_path_factory):
 
 
 def test_kill_after_save_resumes_bit_exact(reference, corpus, cache_dir, tmp_path):
-    proc = shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path), nproc=2,
-                       env={"SHARDLM_TEST_KILL_AFTER_SAVE": "8"}, check=False)
+    proc = shardlm_cli([*ckpt_args(corpus, cache_dir, tmp_path), fault("KillAfterSave(8)")], nproc=2, check=False)
     assert proc.returncode != 0
     assert max(by_step(tmp_path)) == 8
     resumed = shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path), nproc=2)
@@ -46,8 +48,8 @@ def test_kill_after_save_resumes_bit_exact(reference, corpus, cache_dir, tmp_pat
 
 def test_kill_during_save_falls_back_and_resumes_exact(reference, corpus, cache_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shardlm",
-           *ckpt_args(corpus, cache_dir, tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDLM_TEST_PAUSE_IN_SAVE": "8"}
+           *ckpt_args(corpus, cache_dir, tmp_path), fault("PauseInSave(8)")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 240
@@ -64,16 +66,23 @@ def test_kill_during_save_falls_back_and_resumes_exact(reference, corpus, cache_
     assert not torn.exists()  # the stale temporary folder is cleaned up
 
 
+@pytest.fixture(scope="module")
+def killed_without_dropout(corpus, cache_dir, tmp_path_factory):
+    """Without dropout (its masks depend on the rank layout): the uninterrupted 2-rank run's losses, and the run
+    folder of one killed right after its step-8 save (each world size resumes a copy of it)."""
+    ref, killed = tmp_path_factory.mktemp("reference-no-dropout"), tmp_path_factory.mktemp("killed-no-dropout")
+    shardlm_cli(ckpt_args(corpus, cache_dir, ref, **NO_DROPOUT), nproc=2)
+    shardlm_cli([*ckpt_args(corpus, cache_dir, killed, **NO_DROPOUT), fault("KillAfterSave(8)")], nproc=2,
+                check=False)
+    return by_step(ref), killed
+
+
 @pytest.mark.parametrize("nproc", [1, 4])
-def test_resume_on_another_world_size(corpus, cache_dir, tmp_path, nproc):
-    """Dropout masks depend on the rank layout, so this parity holds without dropout."""
-    no_dropout = {"model.dropout": 0.0}
-    reference = tmp_path / "reference"
-    shardlm_cli(ckpt_args(corpus, cache_dir, reference, **no_dropout), nproc=2)
-    shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path, **no_dropout), nproc=2,
-                env={"SHARDLM_TEST_KILL_AFTER_SAVE": "8"}, check=False)
-    shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path, batch=8 // nproc, **no_dropout), nproc=nproc if nproc > 1 else 0)
-    got, reference = by_step(tmp_path), by_step(reference)
+def test_resume_on_another_world_size(killed_without_dropout, corpus, cache_dir, tmp_path, nproc):
+    reference, killed = killed_without_dropout
+    shutil.copytree(killed, tmp_path, dirs_exist_ok=True)
+    shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path, batch=8 // nproc, **NO_DROPOUT), nproc=nproc if nproc > 1 else 0)
+    got = by_step(tmp_path)
     assert sorted(got) == sorted(reference)
     for step, loss in reference.items():
         assert got[step] == pytest.approx(loss, rel=1e-4), step
@@ -93,16 +102,15 @@ def test_retention_and_torn_newest(corpus, cache_dir, tmp_path):
     assert "resumed from" in proc.stdout and "step_000000008" in proc.stdout
 
 
-def test_sigterm_saves_exits_zero_and_resumes_exact(corpus, cache_dir, tmp_path):
+def test_sigterm_saves_exits_zero_and_resumes_exact(reference, corpus, cache_dir, tmp_path):
+    """The reference saves every 4 steps, this run only on SIGTERM: saving never changes what is trained."""
     args = ckpt_args(corpus, cache_dir, tmp_path, **{"checkpoint.every": 0})
-    ref = tmp_path / "ref"
-    shardlm_cli(ckpt_args(corpus, cache_dir, ref, **{"checkpoint.every": 0}), nproc=2)
     # SIGTERM reaches rank 0 only: both ranks must still stop after the same step
-    proc = shardlm_cli(args, nproc=2, env={"SHARDLM_TEST_SIGTERM_AT": "5"})
+    proc = shardlm_cli([*args, fault("SigtermAt(5)")], nproc=2)
     assert proc.returncode == 0 and "received SIGTERM" in proc.stdout
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000000005"]
     shardlm_cli(args, nproc=2)
-    assert by_step(tmp_path) == by_step(ref)
+    assert by_step(tmp_path) == reference
 
 
 @pytest.mark.cuda
@@ -125,8 +133,8 @@ def test_real_sigterm_single_process(corpus, cache_dir, tmp_path):
 def test_export_generate_eval_round_trip(corpus, cache_dir, tmp_path):
     run = tmp_path / "run"
     shardlm_cli(["train", *tiny(corpus, cache_dir, run, **{"train.max_steps": 30, "checkpoint.export_final": True,
-                                                                 "model.n_positions": 32})],
-                nproc=2)
+                                                                 "model.n_positions": 32, "model.vocab_multiple": 64})],
+                nproc=2)  # 257 byte ids padded to 320: the 63 padding ids are suppressed everywhere below
     hf = run / "hf"
     for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json"):
         assert (hf / name).is_file(), name
@@ -135,6 +143,7 @@ def test_export_generate_eval_round_trip(corpus, cache_dir, tmp_path):
     assert json.loads((hf / "tokenizer_config.json").read_text())["model_max_length"] == 32
     gen = json.loads((hf / "generation_config.json").read_text())
     assert gen["do_sample"] and gen["temperature"] == 0.8 and gen["max_new_tokens"] == 16
+    assert gen["suppress_tokens"] == list(range(257, 320))
     prompt = "ROMEO:"
     from_ckpt = shardlm_cli(["generate", str(run), "--prompt", prompt, "--temperature", "0",
                              "--max-new-tokens", "20"]).stdout

@@ -9,6 +9,7 @@ import signal
 
 import pytest
 import torch
+from faults import SigtermAt, fault
 
 from conftest import byte_gpt2_config, records, shardlm_cli, tiny
 from shardlm import ShardlmError
@@ -97,6 +98,7 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, ca
 
     from shardlm.build import build
     from shardlm.config import load_config
+    from shardlm.train import train
     from shardlm.trainer import Trainer
 
     folders, digests = bases
@@ -116,8 +118,8 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, ca
 
     # exact resume, 1 process: stopped (SIGTERM) after step 4 and resumed == uninterrupted, bit for bit
     split = tmp_path / "split"
-    train_in_process(lora_args(corpus, cache_dir, split, folders["llama"], **{"checkpoint.every": 0}),
-                     env={"SHARDLM_TEST_SIGTERM_AT": "4"}, monkeypatch=monkeypatch)
+    train(load_config(None, lora_args(corpus, cache_dir, split, folders["llama"], **{"checkpoint.every": 0})),
+          callbacks=[SigtermAt(4)])
     assert max(by_step(split)) == 4
     train_in_process(lora_args(corpus, cache_dir, split, folders["llama"], **{"checkpoint.every": 0}))
     assert by_step(split) == reference
@@ -125,8 +127,8 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, ca
     # 2 FSDP ranks (AC + CPU offload), killed after the step-4 save, resumed with another strategy (no_shard)
     fsdp = tmp_path / "fsdp"
     two = {"train.batch_size": 4, "parallel.activation_checkpointing": True, "parallel.cpu_offload": True}
-    proc = shardlm_cli(["train", *lora_args(corpus, cache_dir, fsdp, folders["llama"], **two)], nproc=2,
-                       env={"SHARDLM_TEST_KILL_AFTER_SAVE": "4"}, check=False)
+    proc = shardlm_cli(["train", *lora_args(corpus, cache_dir, fsdp, folders["llama"], **two),
+                        fault("KillAfterSave(4)")], nproc=2, check=False)
     assert proc.returncode != 0 and max(by_step(fsdp)) == 4
     resumed = shardlm_cli(["train", *lora_args(corpus, cache_dir, fsdp, folders["llama"], **{
         "train.batch_size": 4, "parallel.sharding": "no_shard"})], nproc=2)

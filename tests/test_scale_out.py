@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from faults import fault
 
 from conftest import ROOT, losses, records, shardlm_cli, tiny
 
@@ -19,14 +20,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def single(corpus, cache_dir, tmp_path_factory) -> list[float]:
+    """Losses of the one-process run both launch tests must reproduce."""
+    out = tmp_path_factory.mktemp("single")
+    shardlm_cli(["train", *tiny(corpus, cache_dir, out)])
+    return losses(out)
+
+
 def test_dead_rank_restarts_resumes_and_matches(corpus, cache_dir, tmp_path):
     args = tiny(corpus, cache_dir, tmp_path / "x", **{"train.batch_size": 4, "train.max_steps": 12,
                                                        "checkpoint.every": 4, "parallel.timeout_s": 30})
     ref = tmp_path / "ref"
     shardlm_cli(["train", *[a if not a.startswith("out_dir=") else f"out_dir={ref}" for a in args]], nproc=2)
     began = time.time()
-    proc = shardlm_cli(["train", "--nproc", "2", "--max-restarts", "1", *args],
-                       env={"SHARDLM_TEST_DIE_AT": "6:1"})
+    proc = shardlm_cli(["train", "--nproc", "2", "--max-restarts", "1", *args, fault("DieAt(6, 1)")])
     wall = time.time() - began
     assert "resumed from" in proc.stdout and "step 4" in proc.stdout
     assert losses(tmp_path / "x")[-1] == losses(ref)[-1]
@@ -35,7 +43,7 @@ def test_dead_rank_restarts_resumes_and_matches(corpus, cache_dir, tmp_path):
 
 @pytest.mark.cuda
 def test_non_finite_steps_are_skipped_and_counted(corpus, cache_dir, tmp_path):
-    shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path)], env={"SHARDLM_TEST_NAN_STEPS": "3,4"})
+    shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path), fault("NanSteps(3, 4)")])
     rec = records(tmp_path)
     assert [r["skipped_steps"] for r in rec] == [0, 0, 1, 2, 2, 2, 2, 2, 2, 2]
     assert all(r["loss"] is not None for r in rec)
@@ -43,17 +51,15 @@ def test_non_finite_steps_are_skipped_and_counted(corpus, cache_dir, tmp_path):
 
 def test_too_many_bad_steps_stop_with_a_clear_error(corpus, cache_dir, tmp_path):
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_bad_steps": 2,
-                                                                        "checkpoint.every": 2})],
-                       env={"SHARDLM_TEST_NAN_STEPS": "5,6"}, check=False)
+                                                                        "checkpoint.every": 2}),
+                        fault("NanSteps(5, 6)")], check=False)
     assert proc.returncode == 2
     assert "2 consecutive steps had a non-finite loss" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert (tmp_path / "checkpoints" / "step_000000004" / "manifest.json").is_file()  # last good one kept
 
 
-def test_mpi_style_launch_two_nodes_hybrid(corpus, cache_dir, tmp_path):
-    single = tmp_path / "single"
-    shardlm_cli(["train", *tiny(corpus, cache_dir, single)])
+def test_mpi_style_launch_two_nodes_hybrid(single, corpus, cache_dir, tmp_path):
     out = tmp_path / "hybrid"
     port = str(free_port())
     procs = []
@@ -68,14 +74,12 @@ def test_mpi_style_launch_two_nodes_hybrid(corpus, cache_dir, tmp_path):
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     assert "mpi launch: 4 rank(s) on 2 node(s)" in outputs[0][0] and "mesh (2, 2)" in outputs[0][0]
-    assert losses(out) == pytest.approx(losses(single), rel=1e-4)
+    assert losses(out) == pytest.approx(single, rel=1e-4)
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec (CI installs Debian's mpich)")
-def test_real_mpiexec_launch_matches_one_process(corpus, cache_dir, tmp_path):
+def test_real_mpiexec_launch_matches_one_process(single, corpus, cache_dir, tmp_path):
     """A real `mpiexec -n 2` (MPICH/hydra sets PMI_RANK, PMI_SIZE, MPI_LOCALRANKID): detected, trained, same losses."""
-    single = tmp_path / "single"
-    shardlm_cli(["train", *tiny(corpus, cache_dir, single)])
     out = tmp_path / "mpi"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "shardlm", "train",
@@ -83,4 +87,4 @@ def test_real_mpiexec_launch_matches_one_process(corpus, cache_dir, tmp_path):
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mpi launch: 2 rank(s) on 1 node(s)" in proc.stdout
-    assert losses(out) == pytest.approx(losses(single), rel=1e-4)
+    assert losses(out) == pytest.approx(single, rel=1e-4)

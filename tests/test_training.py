@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from conftest import ROOT, fp32_tol, losses, records, shardlm_cli, tiny
-from shardlm.build import build
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
 
@@ -40,7 +39,7 @@ def test_fsdp_matches_single_process(single_run, corpus, cache_dir, tmp_path, sh
 
 
 def _trainer(corpus, cache_dir, out, **extra) -> Trainer:
-    return Trainer(build(load_config(None, tiny(corpus, cache_dir, out, **extra))))
+    return Trainer.from_config(load_config(None, tiny(corpus, cache_dir, out, **extra)))
 
 
 def _step_losses(trainer: Trainer, steps: int) -> list[float]:

@@ -8,7 +8,6 @@ import sys
 import torch
 
 from shardlm.build import build
-from shardlm.checkpoint import Checkpointer
 from shardlm.config import load_config
 from shardlm.dist import shutdown
 from shardlm.trainer import Trainer
@@ -20,7 +19,7 @@ folders, overrides = [a for a in sys.argv[2:split] if a != "--resume"], sys.argv
 
 def trainer_for(folder: str, *extra: str) -> Trainer:
     run = build(load_config(None, [*overrides, f"model.name={folder}", f"out_dir={folder}-{tag}", *extra]))
-    return Trainer(run, Checkpointer(run))
+    return Trainer(run, checkpoint=True)
 
 
 def steps(trainer: Trainer, n: int) -> list[float]:
@@ -37,14 +36,14 @@ for folder in folders:
     hf = trainer.model.hf
     tied = hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     losses = steps(trainer, 3)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save(trainer.step)
     losses += steps(trainer, 3)
-    trainer.checkpointer.save(trainer)
+    trainer.checkpointer.save(trainer.step)
     trainer.close()
     resumed = []
     if resume:
         again = trainer_for(folder, f"checkpoint.resume={folder}-{tag}/checkpoints/step_000000003")
-        again.checkpointer.maybe_resume(again)
+        again.checkpointer.maybe_resume()
         resumed = steps(again, 3)
         again.close()
     result[folder] = {"losses": losses, "resumed": resumed, "tied": tied}

@@ -1,0 +1,165 @@
+"""Callbacks: code of your own that runs at fixed points of `Trainer.fit` (early stopping, custom logging, alerts).
+
+A callback is any object with some of the methods of `Callback` below; the Trainer calls each event on every
+callback, in the order given, on every rank. Why this shape: the loop stays the same for everyone, and what
+used to be special cases inside it (the test suite's injected faults, for one) is a callback like any other
+(tests/faults.py). Events (`trainer` is the `shardlm.trainer.Trainer`; read `trainer.step`, `trainer.run`, ...):
+
+    on_train_begin(trainer)                       before the first step of this invocation
+    on_step_end(trainer, result)                  after each optimizer step; result: StepResult
+    on_evaluate(trainer, metrics)                 after each validation: loss, ppl, accuracy, tokens (global)
+    on_checkpoint_saved(trainer, step, path)      once a checkpoint is complete on disk (every rank)
+    on_train_end(trainer, summary)                after the loop: {"val", "steps", "wall_s"}
+
+`trainer.request_stop()` ends the run after the current step with a checkpoint, as SIGTERM does. It must be
+called on every rank at the same step, so base the decision on global values (`metrics`, `result["grad_norm"]`),
+not on a rank's own loss.
+
+Loading one from the command line: `shardlm train --callback SPEC` (repeatable), SPEC = `MODULE:NAME` or
+`path/to/file.py:NAME`, optionally called with literal arguments: `my_callbacks:EarlyStop(patience=3)`. NAME is
+a callback object, or a class / function that returns one (called with the arguments, or with none).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardlm import ShardlmError
+
+if TYPE_CHECKING:
+    from shardlm.trainer import StepResult, Trainer
+
+EVENTS = ("on_train_begin", "on_step_end", "on_evaluate", "on_checkpoint_saved", "on_train_end")
+
+
+class Callback:
+    """Base class with every event doing nothing: override the ones you need."""
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        pass
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        pass
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        pass
+
+    def on_checkpoint_saved(self, trainer: Trainer, step: int, path: Path) -> None:
+        pass
+
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        pass
+
+
+class EarlyStopping(Callback):
+    """Stop when the validation loss has not improved by more than `min_delta` for `patience` evaluations
+    (`--callback 'shardlm.callbacks:EarlyStopping(patience=3)'`). The run ends with a checkpoint, as after
+    SIGTERM; validation metrics are global, so every rank stops at the same step."""
+
+    def __init__(self, patience: int = 3, min_delta: float = 0.0):
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience}")
+        self.patience, self.min_delta = patience, min_delta
+        self.best, self.waited = float("inf"), 0
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        if metrics["loss"] < self.best - self.min_delta:
+            self.best, self.waited = metrics["loss"], 0
+            return
+        self.waited += 1
+        if self.waited >= self.patience:
+            trainer.dist.print(f"early stopping: val loss {self.best:.4f} not improved in {self.patience} "
+                               "evaluations")
+            trainer.request_stop()
+
+
+class Callbacks(Callback):
+    """Several callbacks as one: each event goes to each callback that defines it, in order."""
+
+    def __init__(self, callbacks: Iterable[object] = ()):
+        self.callbacks = list(callbacks)
+
+    def _emit(self, event: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, event, None)
+            if method is not None:
+                method(*args)
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        self._emit("on_train_begin", trainer)
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:
+        self._emit("on_step_end", trainer, result)
+
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self._emit("on_evaluate", trainer, metrics)
+
+    def on_checkpoint_saved(self, trainer: Trainer, step: int, path: Path) -> None:
+        self._emit("on_checkpoint_saved", trainer, step, path)
+
+    def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
+        self._emit("on_train_end", trainer, summary)
+
+
+def _bad(spec: str, why: str) -> ShardlmError:
+    return ShardlmError(f"--callback {spec!r}: {why}. Write MODULE:NAME or path/to/file.py:NAME, optionally with "
+                        "literal arguments: my_callbacks:EarlyStop(patience=3).")
+
+
+def _module(spec: str, where: str):
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise _bad(spec, f"file '{path}' does not exist")
+        found = importlib.util.spec_from_file_location(f"shardlm_callback_{path.stem}", path)
+        assert found is not None and found.loader is not None
+        module = importlib.util.module_from_spec(found)
+        sys.modules[found.name] = module  # dataclasses and pickling look their module up here
+        found.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path:  # the `shardlm` script: modules in the working directory import too, as
+        sys.path.append(os.getcwd())  # under `python -m` (appended: it never hides an installed package)
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise _bad(spec, f"no module named '{e.name}'") from None
+
+
+def _arguments(spec: str, call: str) -> tuple[list[Any], dict[str, Any]]:
+    """`Name(1, x='a')` -> ([1], {"x": "a"}); literals only (numbers, strings, lists, ...), nothing is run."""
+    try:
+        node = ast.parse(call, mode="eval").body
+        if not isinstance(node, ast.Call):
+            raise ValueError
+        args = [ast.literal_eval(a) for a in node.args]
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+    except (SyntaxError, ValueError):
+        raise _bad(spec, "its arguments are not Python literals") from None
+    return args, kwargs
+
+
+def load(spec: str) -> object:
+    """The callback named by `spec` (see the module docstring)."""
+    head, paren, rest = spec.partition("(")
+    where, _, name = head.rpartition(":")
+    if not where or not name.isidentifier():
+        raise _bad(spec, "not MODULE:NAME")
+    target = getattr(_module(spec, where), name, None)
+    if target is None:
+        raise _bad(spec, f"'{where}' has no '{name}'")
+    if paren:
+        args, kwargs = _arguments(spec, name + paren + rest)
+        callback = target(*args, **kwargs)
+    else:
+        callback = target() if inspect.isclass(target) or inspect.isfunction(target) else target
+    if not any(callable(getattr(callback, event, None)) for event in EVENTS):
+        raise _bad(spec, f"{type(callback).__name__} has none of the methods {', '.join(EVENTS)}")
+    return callback

@@ -1,0 +1,155 @@
+"""What a run says about itself while it trains: the run header, training records (interval loss, tokens/s,
+MFU, memory), validation records, the progress bar or lines with an ETA, and the closing line.
+
+Why a component of its own (torchtitan's MetricsProcessor, smaller): the loop only says *when* (after a step,
+at a log interval, after an evaluation or a save); this says *what*. The Trainer then holds training state
+only, and a change to what is reported never touches the loop. The building blocks (MetricsLog, Progress,
+Eta, MFU) are in shardlm.metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shardlm import lora
+from shardlm.metrics import (
+    Eta,
+    MetricsLog,
+    Progress,
+    StepTimer,
+    flops_per_token,
+    fmt_time,
+    gpu_utilization,
+    peak_flops,
+    peak_memory_bytes,
+)
+from shardlm.model import num_params
+
+if TYPE_CHECKING:
+    from shardlm.build import Run
+
+
+def global_batch(run: Run) -> int:
+    """Blocks per optimizer step, over all ranks."""
+    return run.dist.world_size * run.cfg.train.batch_size * run.cfg.train.grad_accum
+
+
+def model_flops_per_token(run: Run) -> float:
+    """nanoGPT's estimate; its N leaves out the position embeddings (a lookup, no matmul)."""
+    hf = run.hf_config
+    layers = getattr(hf, "n_layer", getattr(hf, "num_hidden_layers", 0))
+    width = getattr(hf, "n_embd", getattr(hf, "hidden_size", 0))
+    return flops_per_token(num_params(run.model, exclude_embeddings=True), layers, width, run.cfg.data.seq_len)
+
+
+def _params(run: Run) -> str:
+    trainable, total = lora.count(run.model)
+    if trainable == total:
+        return f"{total / 1e6:.2f}M parameters"
+    return f"{total / 1e6:.2f}M parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
+
+
+def run_header(run: Run) -> str:
+    """Three lines: where and how the run trains, the model and data, the steps and batch."""
+    cfg, d, pl = run.cfg, run.dist, run.plan
+    if pl.use_fsdp:
+        where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
+                 f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}")
+    else:
+        where = "1 process, no FSDP (launch with --nproc N or torchrun to shard)"
+    extras = [n for n, on in (("activation checkpointing", cfg.parallel.activation_checkpointing),
+                              (f"compile {pl.compile}", pl.compile != "false"),
+                              ("cpu offload", cfg.parallel.cpu_offload)) if on]
+    blocks, seq = global_batch(run), cfg.data.seq_len
+    return (f"shardlm: {where}; {d.device.type}, {cfg.parallel.precision}"
+            + (f", {', '.join(extras)}" if extras else "") + "\n"
+            f"model: {_params(run)}; data: {len(run.train):,} train / {len(run.val):,} val blocks of {seq} tokens\n"
+            f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}")
+
+
+def _mem_field(device: torch.device) -> dict[str, str]:
+    if device.type != "cuda":
+        return {}
+    return {"mem": f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}G"}
+
+
+class Reporter:
+    """One per `fit`: opened before the first step (prints the header), closed after the last (prints `done`)."""
+
+    def __init__(self, run: Run, first_step: int, save_every: int):
+        cfg, d = run.cfg, run.dist
+        self.run, self.dist, self.device = run, d, d.device
+        self.total, self.first_step, self.save_every = run.total_steps, first_step, save_every
+        self.tokens_per_step = global_batch(run) * cfg.data.seq_len
+        self.flops_per_token, self.peak_flops = model_flops_per_token(run), peak_flops(d.device)
+        self.log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main, cfg=cfg)
+        d.print(run_header(run))
+        self.progress = Progress(self.total, cfg.log.progress, d.is_main, initial=first_step)
+        self.eta, self.timer, self.began = Eta(self.total), StepTimer(), time.time()
+        self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
+        self.seconds, self.steps = 0.0, 0
+        self.last_val: dict[str, Any] | None = None
+
+    def step_done(self, loss_sum: torch.Tensor) -> None:
+        """After each optimizer step: its time (since the last step or `resume_clock`) and its loss."""
+        self.loss_sum += loss_sum.double()
+        seconds = self.timer.lap()
+        self.eta.add_step(seconds)
+        self.seconds, self.steps = self.seconds + seconds, self.steps + 1
+
+    def resume_clock(self) -> None:
+        """Evaluation and saving are timed on their own (`timed`): the next step's time starts here."""
+        self.timer.lap()
+
+    @contextlib.contextmanager
+    def timed(self, what: str) -> Iterator[None]:
+        """Time an evaluation (`eval`) or a save (`save`) for the ETA."""
+        began = time.perf_counter()
+        yield
+        (self.eta.add_eval if what == "eval" else self.eta.add_save)(time.perf_counter() - began)
+
+    def _left(self, step: int, every: int) -> int:
+        return (self.total - step) // every if every else 0
+
+    def log_train(self, step: int, *, lr: float, grad_norm: float, tokens: int, skipped_steps: int) -> None:
+        """The interval's record (one all-reduce of the loss) and the progress line; starts a new interval."""
+        self.dist.all_reduce_sum(self.loss_sum)
+        loss = (self.loss_sum[0] / (self.steps * self.tokens_per_step)).item()
+        tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
+        mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.world_size) if self.peak_flops else None
+        self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                        "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
+                        "peak_mem_gb": peak_memory_bytes(self.device) / 1e9, "device": self.device.type,
+                        "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
+                        **gpu_utilization(self.device)})
+        evals_left = self._left(step, self.run.cfg.train.eval_every) + 1  # + the final one
+        remaining = self.eta.remaining(step, evals_left, self._left(step, self.save_every))
+        self.progress.update(step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}
+                             | _mem_field(self.device))
+        self.loss_sum.zero_()
+        self.seconds, self.steps = 0.0, 0
+
+    def log_val(self, step: int, result: dict[str, Any], tokens_seen: int) -> None:
+        self.log.write({"step": step, "split": "val", **result, "tokens_seen": tokens_seen})
+        self.progress.write(f"step {step}: val loss {result['loss']:.4f} ppl {result['ppl']:.2f} "
+                            f"accuracy {result['accuracy']:.3f}")
+        self.last_val = result
+
+    def close(self, step: int, stopped: bool) -> dict[str, Any]:
+        """Close the outputs; print the closing line unless the run stopped on a signal (train.py says so)."""
+        self.progress.close()
+        self.log.close()
+        wall = time.time() - self.began
+        if not stopped:
+            n, start = step - self.first_step, self.first_step
+            this = f"{n} step{'s' * (n != 1)} in {fmt_time(wall)}"
+            self.dist.print(f"done: {this}" if not start else f"done: step {step}/{self.total}; this invocation: "
+                            f"{this} (resumed at step {start})", end="")
+            v = self.last_val
+            self.dist.print(f", val loss {v['loss']:.4f} ppl {v['ppl']:.2f} accuracy {v['accuracy']:.3f}" if v else "")
+        return {"val": self.last_val, "steps": step, "wall_s": wall}
