@@ -18,12 +18,12 @@ from shardlm import ShardlmError
 from shardlm.config import Config
 
 
-def _data_line(name: str, spec: str | None, default_split: str) -> str:
+def _data_line(name: str, spec: str | None, default_split: str, data_files=None) -> str:
     from shardlm.data.sources import resolve
 
     if spec is None:
         return f"{name}: none (the tail of the training data is held out)"
-    source = resolve(spec, default_split)
+    source = resolve(spec, default_split, data_files)
     if source.hf:
         repo, config, split = source.hf
         return f"{name}: Hugging Face dataset {repo}" + (f"/{config}" if config else "") + f", split {split}" \
@@ -60,7 +60,8 @@ def dry_run(cfg: Config, world_size: int) -> str:
     device = pick_device(cfg.parallel.device, 0) if cfg.parallel.device != "auto" else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pl = plan(cfg, world_size, world_size, device)
-    lines = [_data_line("data.train", cfg.data.train, "train"), _data_line("data.val", cfg.data.val, "validation"),
+    lines = [_data_line("data.train", cfg.data.train, "train", cfg.data.data_files),
+             _data_line("data.val", cfg.data.val, "validation", cfg.data.data_files),
              *_model_lines(cfg),
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")

@@ -81,7 +81,8 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, capsys):
     ("a.jsonl", b'"just text"\n', 'a.jsonl:1: a string, not a JSON object: each line must be one object such as'),
     ("a.jsonl", b'{"body": "ok"}\n', "a.jsonl:1: no 'text' field in this record (fields found: body). Set data"),
     ("a.jsonl", b'{"text": 3}\n', "a.jsonl:1: field 'text' is a number, not a string"),
-    ("a.parquet", b"PAR1", "suffix '.parquet'"),
+    ("a.parquet", b"PAR1", "a.parquet' is not a readable Parquet file (Parquet file size is 4 bytes"),
+    ("a.pdf", b"%PDF", "suffix '.pdf'; shardlm reads .txt/.csv/.jsonl (also .gz/.zst), .parquet files"),
 ])
 def test_bad_files_give_clear_errors(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
@@ -107,7 +108,7 @@ def test_missing_path_or_empty_folder(tmp_path):
     with pytest.raises(ShardlmError, match="does not exist"):
         resolve(str(tmp_path / "nope.txt"))
     (tmp_path / "d").mkdir()
-    with pytest.raises(ShardlmError, match="holds no .txt/.csv/.jsonl/.json files. Put text files in it"):
+    with pytest.raises(ShardlmError, match="holds no .txt/.csv/.jsonl .also .gz/.zst., .parquet files. Put text"):
         resolve(str(tmp_path / "d"))
 
 
@@ -142,3 +143,215 @@ def test_eval_shares_cover_every_block_once():
         assert len({len(s) for s in shares}) == 1  # same number of batches on every rank
         real = np.concatenate(shares)
         assert sorted(real[real >= 0]) == list(range(11))
+
+
+# --- long documents: token-neutral cuts, flat memory ---------------------------------------------------------
+
+AWKWARD = ["word", "bc", " ", "  ", "   ", "\n", "\n\n", " \n ", "\n  ", "\t", "é", "日本語", "、", "。", "🙂", ",",
+           "'s", "123", "--", " The", "ünïcödé"]
+
+
+def awkward_text(n: int, seed: int = 0) -> str:
+    """Real text with runs of spaces and newlines, multi-byte characters and contractions mixed in."""
+    import random
+
+    from conftest import SHAKESPEARE
+
+    rng = random.Random(seed)
+    prose = SHAKESPEARE.read_text()[:n]
+    return "".join(rng.choice(AWKWARD) + prose[i:i + rng.randint(0, 40)] for i in range(0, n, 40))
+
+
+@pytest.mark.parametrize("name, tiktoken", [("gpt2", "1"), ("gpt2", "0"), ("bytes", "1")])
+def test_cut_pieces_give_the_tokens_of_the_whole_text(name, tiktoken, monkeypatch):
+    import random
+
+    from shardlm.data.cache import encoder
+    from shardlm.data.pieces import cut_documents
+
+    monkeypatch.setenv("SHARDLM_TIKTOKEN", tiktoken)  # GPT-2 through tiktoken, and through tokenizers
+    tok = load_tokenizer(name)
+    encode = encoder(tok)
+    text = awkward_text(30000)
+    rng = random.Random(1)
+    cuts = sorted(rng.sample(range(1, len(text)), 300))  # fragments cut anywhere, as the readers give them
+    fragments = [(text[a:b], False) for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)] + [("", True)]
+    pieces = list(cut_documents(iter(fragments), encode, size=200))
+    assert "".join(p for p, _ in pieces) == text and len(pieces) > 50
+    assert max(len(p) for p, _ in pieces) <= 200 and [e for _, e in pieces].count(True) == 1
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert [i for ids in encode([p for p, _ in pieces]) for i in ids] == whole
+    in_one = list(cut_documents(iter([(text, True)]), encode, size=200))  # one fragment of many pieces
+    assert in_one == pieces
+
+
+def test_txt_read_in_blocks_splitting_characters_tokenizes_as_a_whole(tmp_path, monkeypatch):
+    from shardlm.data import cache, readers
+
+    monkeypatch.setattr(readers, "BLOCK", 7)  # most blocks end inside a multi-byte character
+    monkeypatch.setattr(cache, "PIECE_CHARS", 500)
+    text = awkward_text(5000, seed=2)
+    (tmp_path / "a.txt").write_text(text)
+    tok = load_tokenizer("gpt2")
+    assert tokens_of(tmp_path / "a.txt", tmp_path, tok) == [*tok(text)["input_ids"], 50256]
+
+
+def test_a_word_longer_than_a_piece_is_cut_with_a_warning(capsys):
+    from shardlm.data.cache import encoder
+    from shardlm.data.pieces import cut_documents
+
+    pieces = list(cut_documents(iter([("a" * 1000, True)]), encoder(byte_tokenizer()), size=300, name="w.txt"))
+    assert [len(p) for p, _ in pieces] == [300, 300, 300, 100]
+    assert "w.txt: a run of 300 characters with no word boundary" in capsys.readouterr().err
+
+
+def _peak_rss_mb_of(fn) -> float:
+    """Peak RSS (MB) of this process while `fn` runs: Linux resets the high-water mark on request."""
+    from pathlib import Path
+
+    Path("/proc/self/clear_refs").write_text("5")
+    fn()
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+@pytest.mark.skipif(not __import__("os").access("/proc/self/clear_refs", __import__("os").W_OK), reason="Linux")
+def test_rss_stays_flat_as_one_document_grows_10x(tmp_path, monkeypatch):
+    """One 0.2 MB and one 2 MB document without a newline, in 16 KB pieces and 64 KB batches (the defaults
+    are 256 KB and 4 MB, which a test cannot outgrow quickly). Whole, GPT-2's HF tokenizer takes ~230 MB
+    more for the second (measured); in pieces the peak does not move."""
+    from conftest import SHAKESPEARE
+    from shardlm.data import cache
+
+    monkeypatch.setattr(cache, "PIECE_CHARS", 16 << 10)
+    monkeypatch.setattr(cache, "BATCH_CHARS", 64 << 10)
+    monkeypatch.setenv("SHARDLM_TIKTOKEN", "0")  # the tokenizers library: the one whose memory grows with text
+    tok = load_tokenizer("gpt2")
+    line = SHAKESPEARE.read_text()[:200_000].replace("\n", " ")
+    peaks = []
+    for times in (1, 10):
+        (tmp_path / f"{times}.txt").write_text(line * times)
+        source = resolve(str(tmp_path / f"{times}.txt"))
+        peaks.append(_peak_rss_mb_of(lambda: build_cache(source, tok, tmp_path / "c", log=lambda *_: None)))  # noqa: B023
+    assert peaks[1] - peaks[0] < 20, f"peak RSS {peaks[0]:.0f} MB at 1x, {peaks[1]:.0f} MB at 10x"
+
+
+def test_tiktoken_gives_the_hf_tokenizers_ids_or_is_not_used(monkeypatch):
+    from shardlm.data.cache import encoder
+    from shardlm.data.fastbpe import tiktoken_encoder
+
+    tok = load_tokenizer("gpt2")
+    monkeypatch.setenv("SHARDLM_TIKTOKEN", "0")
+    hf = encoder(tok)
+    monkeypatch.setenv("SHARDLM_TIKTOKEN", "1")
+    fast = tiktoken_encoder(tok, hf)
+    texts = [awkward_text(20000, seed=3), "an added token <|endoftext|> in the text", ""]
+    assert fast is not None and fast(texts) == hf(texts) == [tok(t)["input_ids"] for t in texts]
+    assert tiktoken_encoder(byte_tokenizer(), encoder(byte_tokenizer())) is None  # not the shape it handles
+
+
+# --- formats: Parquet, save_to_disk (Arrow), compressed files, hf:json ----------------------------------------
+
+DOCS = ["first document", "second\nwith a newline", "third: ünïcödé 🙂"]
+
+
+def expected_bytes(docs=DOCS) -> list[int]:
+    return [t for d in docs for t in (*d.encode(), EOS)]
+
+
+def test_parquet_is_read_row_group_by_row_group(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": [1, 2, 3, 4], "body": [DOCS[0], None, DOCS[1], DOCS[2]]})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=2)
+    assert pq.ParquetFile(tmp_path / "a.parquet").num_row_groups == 2
+    assert tokens_of(tmp_path / "a.parquet", tmp_path, text_field="body") == expected_bytes()
+
+
+def test_save_to_disk_folders_dataset_and_dataset_dict(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    Dataset.from_dict({"text": DOCS}).save_to_disk(tmp_path / "ds")
+    assert tokens_of(tmp_path / "ds", tmp_path) == expected_bytes()
+    DatasetDict({"train": Dataset.from_dict({"text": DOCS[:2]}),
+                 "validation": Dataset.from_dict({"text": DOCS[2:]})}).save_to_disk(tmp_path / "dd")
+    tok = byte_tokenizer()
+    val = build_cache(resolve(str(tmp_path / "dd"), "validation"), tok, tmp_path / "c", log=lambda *_: None)
+    assert list(load_tokens(val)) == expected_bytes(DOCS[2:])
+    assert tokens_of(tmp_path / "dd", tmp_path) == expected_bytes(DOCS[:2])
+
+
+def write_compressed(path, data: bytes) -> None:
+    import gzip
+
+    import zstandard
+
+    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else zstandard.ZstdCompressor().compress(data))
+
+
+@pytest.mark.parametrize("name", ["a.txt.gz", "a.txt.zst", "a.jsonl.gz", "a.csv.zst"])
+def test_compressed_files_stream_like_plain_ones(tmp_path, name):
+    docs = DOCS if ".txt" not in name else ["\n\n".join(DOCS)]
+    if ".jsonl" in name:
+        data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    elif ".csv" in name:
+        data = ("text\n" + "".join('"' + d + '"\n' for d in docs)).encode()
+    else:
+        data = docs[0].encode()
+    write_compressed(tmp_path / name, data)
+    assert tokens_of(tmp_path / name, tmp_path) == expected_bytes(docs)
+
+
+def test_folder_of_mixed_formats(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    (tmp_path / "d").mkdir()
+    write_compressed(tmp_path / "d" / "a.txt.gz", b"A")
+    pq.write_table(pa.table({"text": ["B"]}), tmp_path / "d" / "b.parquet")
+    Dataset.from_dict({"text": ["C"]}).save_to_disk(tmp_path / "d" / "c")  # its .json files are not documents
+    write_compressed(tmp_path / "d" / "d.jsonl.zst", b'{"text": "D"}\n')
+    assert tokens_of(tmp_path / "d", tmp_path) == [ord("A"), EOS, ord("B"), EOS, ord("C"), EOS, ord("D"), EOS]
+
+
+def test_hf_json_with_data_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    files = {"train": str(tmp_path / "a.jsonl"), "validation": str(tmp_path / "a.jsonl")}
+    tok = byte_tokenizer()
+    folder = build_cache(resolve("hf:json", "validation", files), tok, tmp_path / "c", log=lambda *_: None)
+    assert list(load_tokens(folder)) == expected_bytes()
+    with pytest.raises(ShardlmError, match="'hf:json' reads local files .*set data.data_files"):
+        resolve("hf:json")
+
+
+def test_hf_dataset_downloaded_earlier_loads_offline_from_the_hf_cache(tmp_path, monkeypatch):
+    """A hub dataset in the local HF datasets cache (the layout a download leaves) is read with no network."""
+    import shutil
+    from pathlib import Path
+
+    import datasets
+    from huggingface_hub import constants
+
+    from shardlm.hub import hub_reachable
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    built = datasets.load_dataset("json", data_files=str(tmp_path / "a.jsonl"), split="train",
+                                  cache_dir=str(tmp_path / "hf"))
+    src = Path(built.cache_files[0]["filename"]).parent
+    dst = tmp_path / "hf" / "some-org___tiny" / "default" / "0.0.0" / src.name
+    shutil.copytree(src, dst)
+    for f in dst.glob("json-*"):
+        f.rename(dst / f.name.replace("json-", "tiny-"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", datasets.config.HF_HUB_OFFLINE)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
+    hub_reachable.cache_clear()
+    try:
+        assert tokens_of("hf:some-org/tiny", tmp_path) == expected_bytes()
+        with pytest.raises(ShardlmError, match="Hub cannot be reached and it is not in the local HF datasets cache"):
+            tokens_of("hf:some-org/missing", tmp_path)
+    finally:
+        hub_reachable.cache_clear()

@@ -1,4 +1,4 @@
-"""Data: sources -> token cache (built once, by rank 0) -> packed blocks."""
+"""Data: sources -> token cache (built once, by rank 0 or `shardlm prepare`) -> packed blocks."""
 
 from __future__ import annotations
 
@@ -14,14 +14,19 @@ __all__ = ["GlobalSampler", "TokenBlocks", "eval_shares", "micro_batch_position"
 
 
 def load_split(spec: str, cfg: DataConfig, tokenizer, dist, default_split: str):
-    """Tokens of one source as a memmap; rank 0 builds the cache while the others wait for its result."""
+    """Tokens of one source as a memmap; rank 0 builds the cache while the others wait for its result.
+    A rank that cannot see rank 0's folder (a node with its own disk) builds its own copy, one per folder:
+    the cache's lock makes the other ranks there wait for it. `shardlm prepare` builds caches ahead."""
     root = cache_root(cfg.cache_dir)
 
     def build():
-        source = resolve(spec, default_split)
+        source = resolve(spec, default_split, cfg.data_files)
         return str(build_cache(source, tokenizer, root, cfg.text_field, cfg.hf_rows_are_documents, log=dist.print))
 
-    return load_tokens(Path(dist.run_on_main(build)))
+    path = dist.run_on_main(build)
+    if not (Path(path) / "meta.json").is_file():
+        path = build()
+    return load_tokens(Path(path))
 
 
 def prepare_data(cfg: DataConfig, tokenizer, dist) -> tuple[TokenBlocks, TokenBlocks]:

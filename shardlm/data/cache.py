@@ -2,26 +2,35 @@
 
 Layout: `CACHE/<key>/tokens.bin` (uint16 when the vocabulary fits, else uint32) and `meta.json`.
 The folder is written under a temporary name and renamed, so a killed build never leaves a cache that
-looks complete. Memory stays flat: documents are tokenized in batches and appended to the file.
+looks complete; a lock file beside it makes any other process that wants the same cache (another rank,
+another job, `shardlm prepare` on a login node) wait for this build instead of repeating it.
+Memory stays flat: documents are cut into token-neutral pieces (`pieces.py`), tokenized in batches by the
+Rust tokenizer on every core, and appended to the file in order, so the bytes written do not depend on the
+number of cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from shardlm import ShardlmError, __version__
+from shardlm.data.fastbpe import tiktoken_encoder
+from shardlm.data.pieces import PIECE_CHARS, Encode, cut_documents
 from shardlm.data.sources import Source, iter_documents
 from shardlm.tokenizer import fingerprint
 
 CACHE_FORMAT = 1
-BATCH_CHARS = 4 << 20
+BATCH_CHARS = 4 << 20  # characters per batch handed to the tokenizer: ~16 pieces run in parallel
 
 
 def cache_root(configured: str | None) -> Path:
@@ -35,11 +44,72 @@ def cache_key(source: Source, tokenizer, text_field: str, rows_are_documents: bo
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
 
 
-def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+_ENCODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def encoder(tokenizer) -> Encode:
+    """`make_encoder(tokenizer)`, made once per tokenizer: checking the tiktoken route takes ~1 s."""
+    route = os.environ.get("SHARDLM_TIKTOKEN", "1")
+    try:
+        made = _ENCODERS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no memo
+        return make_encoder(tokenizer)
+    if route not in made:
+        made[route] = make_encoder(tokenizer)
+    return made[route]
+
+
+def make_encoder(tokenizer) -> Encode:
+    """Batch -> ids, without special tokens. The Rust backend's `encode_batch_fast` skips the character
+    offsets nobody here reads: the same ids at about twice the speed of `tokenizer(texts)`; tiktoken, where
+    it provably gives the same ids (byte-level BPE such as GPT-2's, `fastbpe.py`), is ~6x faster still."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if backend is None:
+        return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    fast = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
+
+    return tiktoken_encoder(tokenizer, encode) or encode
+
+
+@contextlib.contextmanager
+def all_cores() -> Iterator[None]:
+    """The tokenizers library's own thread pool on, for this build only: `shardlm` turns it off elsewhere
+    (TOKENIZERS_PARALLELISM=false) because a process that forks after using it gets a warning per child.
+    RAYON_NUM_THREADS caps the threads."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+@contextlib.contextmanager
+def build_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Exclusive right to build `folder`; whoever waits finds it complete when the lock is theirs. The lock
+    file goes when the build ends, so the cache folder holds no litter."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, the atomic rename still keeps the cache whole
+        yield
+        return
+    lock = Path(f"{folder}.lock")
+    with open(lock, "w") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            log(f"waiting for another process that is building {folder}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:  # still holding it: a process that opened it before finds meta.json (or builds) after
+            lock.unlink(missing_ok=True)
 
 
 def load_tokens(folder: Path) -> np.memmap:
@@ -57,55 +127,73 @@ def build_cache(source: Source, tokenizer, root: Path, text_field: str = "text",
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ShardlmError(f"cannot create token cache folder '{root}': {e.strerror}. Set data.cache_dir.") from None
-    vocab = len(tokenizer)
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
-    eos = tokenizer.eos_token_id
+    with build_lock(folder, log):
+        if not (folder / "meta.json").is_file():
+            _build(source, tokenizer, folder, text_field, rows_are_documents, log)
+    return folder
+
+
+def _build(source: Source, tokenizer, folder: Path, text_field: str, rows_are_documents: bool, log) -> None:
     tmp = Path(f"{folder}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    start, count, docs = time.time(), 0, 0
+    start = time.time()
     log(f"tokenizing {source.spec} -> {folder}")
     try:
-        with open(tmp / "tokens.bin", "wb") as out:
-            texts, ends, chars = [], [], 0
-
-            def flush() -> int:
-                written = 0
-                for ids, end in zip(_encode(tokenizer, texts), ends, strict=True):
-                    if end:
-                        ids = [*ids, eos]
-                    arr = np.asarray(ids, dtype=np.int64)
-                    if arr.size and arr.max() >= vocab:
-                        raise ShardlmError(f"tokenizer produced id {arr.max()} >= its vocabulary size {vocab}.")
-                    out.write(arr.astype(dtype).tobytes())
-                    written += arr.size
-                texts.clear()
-                ends.clear()
-                return written
-
-            for text, end in iter_documents(source, text_field, rows_are_documents):
-                texts.append(text)
-                ends.append(end)
-                docs += end
-                chars += len(text)
-                if chars >= BATCH_CHARS:
-                    count += flush()
-                    chars = 0
-            count += flush()
-        if count <= docs:  # nothing but EOS tokens
+        with open(tmp / "tokens.bin", "wb") as out, all_cores():
+            stats = _write_tokens(source, tokenizer, out, text_field, rows_are_documents)
+        if stats["num_tokens"] <= stats["documents"]:  # nothing but EOS tokens
             raise ShardlmError(f"data source '{source.spec}' holds no text: no record has a non-empty "
                                f"'{text_field}'. Give data with text, or set data.text_field to the column or field "
                                "that holds it.")
-        meta = {"num_tokens": count, "dtype": np.dtype(dtype).name, "documents": docs, "source": source.spec,
-                "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab_size": vocab,
-                "shardlm_version": __version__}
+        seconds = time.time() - start
+        meta = {**stats, "source": source.spec, "tokenizer": getattr(tokenizer, "name_or_path", ""),
+                "vocab_size": len(tokenizer), "seconds": round(seconds, 3), "shardlm_version": __version__}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             tmp.rename(folder)
-        except OSError:  # another process finished the same cache first
+        except OSError:  # another process finished the same cache first (a file system without locks)
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"tokenized {docs} documents into {count:,} tokens in {time.time() - start:.1f}s")
-    return folder
+    log(f"tokenized {stats['documents']} documents into {stats['num_tokens']:,} tokens in {seconds:.1f}s "
+        f"({stats['text_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+
+
+def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[list[str], list[bool]]]:
+    texts: list[str] = []
+    ends: list[bool] = []
+    chars = 0
+    for text, end in pieces:
+        texts.append(text)
+        ends.append(end)
+        chars += len(text)
+        if chars >= BATCH_CHARS:
+            yield texts, ends
+            texts, ends, chars = [], [], 0
+    if texts:
+        yield texts, ends
+
+
+def _write_tokens(source: Source, tokenizer, out, text_field: str, rows_are_documents: bool) -> dict:
+    """Tokenize every piece in order and append the ids (EOS after each document) to `out`."""
+    vocab, eos = len(tokenizer), tokenizer.eos_token_id
+    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
+    encode = encoder(tokenizer)
+    fragments = iter_documents(source, text_field, rows_are_documents)
+    count = docs = text_bytes = 0
+    for texts, ends in _batches(cut_documents(fragments, encode, PIECE_CHARS, source.spec)):
+        flat: list[int] = []
+        for ids, end in zip(encode(texts), ends, strict=True):
+            flat.extend(ids)
+            if end:
+                flat.append(eos)
+        arr = np.array(flat, dtype=np.int64)
+        size = arr.size
+        if arr.size and arr.max() >= vocab:
+            raise ShardlmError(f"tokenizer produced id {arr.max()} >= its vocabulary size {vocab}.")
+        out.write(arr.astype(dtype).tobytes())
+        count, docs = count + size, docs + sum(ends)
+        text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    return {"num_tokens": count, "dtype": np.dtype(dtype).name, "documents": docs, "text_bytes": text_bytes}

@@ -1,7 +1,10 @@
-"""Corpus sources -> a stream of `(text, ends_document)` pieces, never the whole corpus in memory.
+"""Corpus sources -> a stream of `(text, ends_document)` fragments, never the whole corpus in memory.
 
-Accepted: a `.txt` file (one document), a `.csv` with a text column, a `.jsonl` with a text field, a folder
-of those (recursively, in sorted order), `shakespeare` (bundled) or `hf:REPO[/CONFIG][:SPLIT]`.
+Accepted: `.txt` (one document), `.csv` with a text column, `.jsonl` with a text field, each also
+compressed (`.gz`, `.zst`); `.parquet`; a folder written by `datasets.Dataset.save_to_disk` (Arrow); a
+folder of any of those (recursively, in sorted order); `shakespeare` (bundled) or `hf:REPO[/CONFIG][:SPLIT]`
+(also `hf:json`, `hf:parquet`, ... with `data.data_files`). Fragments of one document may be cut anywhere
+(a `.txt` is read in 1 MiB blocks); the cache cuts them again where the tokens do not change.
 Undecodable bytes in text files are replaced (U+FFFD) with one warning per file that counts them; files
 with NUL bytes are refused as binary.
 """
@@ -9,18 +12,24 @@ with NUL bytes are refused as binary.
 from __future__ import annotations
 
 import csv
+import glob
 import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shardlm import ShardlmError
+from shardlm.data import readers, tables
+from shardlm.data.readers import ReplaceCounter, inner_suffix
 from shardlm.hub import hub_reachable
 
 BUNDLED = {"shakespeare": Path(__file__).parent.parent / "assets" / "tinyshakespeare" / "input.txt"}
-SUFFIXES = (".txt", ".csv", ".jsonl", ".json")
-PIECE_BYTES = 1 << 20  # stream text files in ~1 MiB pieces cut at line ends
+TEXT_SUFFIXES = (".txt", ".csv", ".jsonl", ".json")
+SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
+NAMES = ".txt/.csv/.jsonl (also .gz/.zst), .parquet"
+PACKAGED = ("json", "parquet", "csv", "text", "arrow")  # HF builders that read data.data_files, no Hub needed
 
 
 @dataclass(frozen=True)
@@ -28,12 +37,26 @@ class Source:
     spec: str
     files: tuple[Path, ...] = ()
     hf: tuple[str, str | None, str] | None = None  # (repo, config, split)
+    data_files: Any = None  # for hf:json / hf:parquet / ...: a path, glob, list or {split: files}
 
     def identity(self) -> list:
-        """What the token cache key depends on: paths, sizes and modification times, or the HF spec."""
+        """What the token cache key depends on: paths, sizes and modification times, or the HF spec (with
+        the local data files' own identity for hf:json and the like)."""
         if self.hf:
-            return list(self.hf)
-        return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files]
+            return [*self.hf, json.dumps(self.data_files, sort_keys=True, default=str), *map(_stat, _local(self))]
+        return [_stat(p) for p in self.files]
+
+
+def _stat(p: Path) -> list:
+    return [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
+
+
+def _local(source: Source) -> list[Path]:
+    files = source.data_files
+    if isinstance(files, dict):
+        files = files.get(source.hf[2] if source.hf else "train", [])
+    patterns = [files] if isinstance(files, str) else list(files or [])
+    return sorted(Path(f) for p in patterns for f in glob.glob(str(Path(str(p)).expanduser())))
 
 
 def parse_hf(spec: str, default_split: str) -> tuple[str, str | None, str]:
@@ -55,38 +78,66 @@ def parse_hf(spec: str, default_split: str) -> tuple[str, str | None, str]:
     return repo, config, split or default_split
 
 
-def resolve(spec: str, default_split: str = "train") -> Source:
+def resolve(spec: str, default_split: str = "train", data_files: Any = None) -> Source:
     if spec.startswith("hf:"):
-        return Source(spec, hf=parse_hf(spec, default_split))
+        repo, config, split = parse_hf(spec, default_split)
+        if repo in PACKAGED and not data_files:
+            raise ShardlmError(f"'{spec}' reads local files with the Hugging Face '{repo}' loader: set data.data_files "
+                               f"(a path, glob, list or {{split: files}}), or give the files to data.train directly.")
+        return Source(spec, hf=(repo, config, split), data_files=data_files if repo in PACKAGED else None)
     path = BUNDLED.get(spec, Path(spec).expanduser())
     if not path.exists():
-        raise ShardlmError(f"data path '{spec}' does not exist. Give a .txt/.csv/.jsonl file, a folder of them, "
-                           "'shakespeare' (bundled) or hf:NAME for a Hugging Face dataset.")
+        raise ShardlmError(f"data path '{spec}' does not exist. Give a {NAMES} file, a folder of them, a "
+                           "save_to_disk folder, 'shakespeare' (bundled) or hf:NAME for a Hugging Face dataset.")
     if path.is_dir():
-        files = tuple(sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES))
+        files = tuple(_folder_files(path, default_split))
         if not files:
-            raise ShardlmError(f"folder '{spec}' holds no {'/'.join(SUFFIXES)} files. Put text files in it "
+            raise ShardlmError(f"folder '{spec}' holds no {NAMES} files. Put text files in it "
                                "or point data.train/data.val at a file.")
-    elif path.suffix.lower() in SUFFIXES or path.suffix == "":
+    elif _readable(path) or path.suffix == "" or (readers.compression(path) and inner_suffix(path) == ""):
         files = (path,)
     else:
-        raise ShardlmError(f"'{spec}' has suffix '{path.suffix}'; shardlm reads {', '.join(SUFFIXES)} files "
-                           "(or a folder of them).")
+        raise ShardlmError(f"'{spec}' has suffix '{path.suffix}'; shardlm reads {NAMES} files, save_to_disk "
+                           "folders (or a folder of those).")
     for f in files:
         _check_readable(f)
     return Source(spec, files=files)
 
 
+def _readable(path: Path) -> bool:
+    suffix = inner_suffix(path)
+    return suffix in TEXT_SUFFIXES or (suffix == ".parquet" and readers.compression(path) is None)
+
+
+def _folder_files(folder: Path, split: str) -> list[Path]:
+    """Readable files under `folder` in sorted order; a save_to_disk folder inside gives its .arrow files."""
+    if tables.is_dataset_folder(folder):
+        return tables.dataset_files(folder, split)
+    entries = sorted(folder.rglob("*"))
+    datasets = [p for p in entries if p.is_dir() and tables.is_dataset_folder(p)]
+    files: list[Path] = []
+    for p in entries:
+        inside = next((d for d in datasets if d in p.parents or d == p), None)
+        if inside is not None:
+            files += tables.dataset_files(p, split) if inside == p else []
+        elif p.is_file() and _readable(p):
+            files.append(p)
+        elif p.is_file() and p.suffix.lower() == ".arrow":
+            raise tables.not_a_dataset(p.parent, "no state.json beside its .arrow files")
+    return files
+
+
 def _check_readable(path: Path) -> None:
     if path.stat().st_size == 0:
         raise ShardlmError(f"data file '{path}' is empty. Give a file with text, or remove it from the folder.")
-    with open(path, "rb") as fh:
-        head = fh.read(8192)
+    if path.suffix.lower() in (".parquet", ".arrow"):
+        return
+    head = readers.head_bytes(path)
     if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
         raise ShardlmError(f"data file '{path}' is UTF-16 text; save it as UTF-8.")
     if b"\0" in head:
         raise ShardlmError(f"data file '{path}' looks binary (it contains NUL bytes); give UTF-8 text "
-                           "(.txt, .csv or .jsonl), not a compressed, binary or UTF-16 file.")
+                           "(.txt, .csv or .jsonl, optionally .gz/.zst), not a binary or UTF-16 file.")
 
 
 def _warn_replaced(path: Path, count: int) -> None:
@@ -96,36 +147,29 @@ def _warn_replaced(path: Path, count: int) -> None:
 
 
 def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:
-    bad, piece, size = 0, [], 0
-    with open(path, "rb") as fh:
-        for line in fh:
-            text = line.decode("utf-8", errors="replace")
-            if "\ufffd" in text:
-                bad += len(line) - len(line.decode("utf-8", errors="ignore").encode())
-            piece.append(text)
-            size += len(line)
-            if size >= PIECE_BYTES:
-                yield "".join(piece), False
-                piece, size = [], 0
-    yield "".join(piece), True
-    _warn_replaced(path, bad)
+    counter = ReplaceCounter()
+    for text in readers.iter_text(path, counter):
+        yield text, False
+    yield "", True
+    _warn_replaced(path, counter.bad)
 
 
 def _iter_csv(path: Path, field: str) -> Iterator[tuple[str, bool]]:
     csv.field_size_limit(1 << 30)
-    with open(path, newline="", encoding="utf-8", errors="replace") as fh:
-        reader = csv.DictReader(fh)
-        if reader.fieldnames is None or field not in reader.fieldnames:
-            found = ", ".join(reader.fieldnames or []) or "none"
-            raise ShardlmError(f"{path}: CSV has no '{field}' column (columns found: {found}). "
-                               f"Rename the column or set data.text_field.")
-        try:
-            for row in reader:
-                if row.get(field):
-                    yield row[field], True
-        except csv.Error as e:
-            raise ShardlmError(f"{path}:{reader.line_num}: malformed CSV ({e}). Fix that line, or convert the "
-                               "file to .jsonl.") from None
+    counter = ReplaceCounter()
+    reader = csv.DictReader(readers.iter_lines(path, counter))
+    if reader.fieldnames is None or field not in reader.fieldnames:
+        found = ", ".join(reader.fieldnames or []) or "none"
+        raise ShardlmError(f"{path}: CSV has no '{field}' column (columns found: {found}). "
+                           f"Rename the column or set data.text_field.")
+    try:
+        for row in reader:
+            if row.get(field):
+                yield row[field], True
+    except csv.Error as e:
+        raise ShardlmError(f"{path}:{reader.line_num}: malformed CSV ({e}). Fix that line, or convert the "
+                           "file to .jsonl.") from None
+    _warn_replaced(path, counter.bad)
 
 
 JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
@@ -161,30 +205,46 @@ def _record_text(path: Path, lineno: int, record: object, field: str) -> str:
 
 
 def _iter_jsonl(path: Path, field: str) -> Iterator[tuple[str, bool]]:
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.rstrip("\r\n"))  # a newline inside a string then reads as unterminated
-            except json.JSONDecodeError as e:
-                raise _json_error(path, lineno, line, e, field) from None
-            text = _record_text(path, lineno, record, field)
-            if text:
-                yield text, True
+    counter = ReplaceCounter()
+    for lineno, line in enumerate(readers.iter_lines(path, counter), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line.rstrip("\r\n"))  # a newline inside a string then reads as unterminated
+        except json.JSONDecodeError as e:
+            raise _json_error(path, lineno, line, e, field) from None
+        text = _record_text(path, lineno, record, field)
+        if text:
+            yield text, True
+    _warn_replaced(path, counter.bad)
 
 
-def _iter_hf(repo: str, config: str | None, split: str, field: str, rows_are_documents: bool):
-    if not hub_reachable():
-        raise ShardlmError(
-            f"cannot load Hugging Face dataset '{repo}': the Hugging Face Hub cannot be reached (streaming needs "
-            "it). Download it elsewhere and point data.train/data.val at local .txt/.jsonl files.")
+def _load_hf(source: Source, split: str):
+    """A streamed dataset; offline, the copy in the local Hugging Face datasets cache (memory-mapped)."""
+    import datasets
+
+    repo, config, _ = source.hf  # type: ignore[misc]
+    if repo in PACKAGED:  # local files: no Hub involved
+        return datasets.load_dataset(repo, config, data_files=source.data_files, split=split, streaming=True)
+    if hub_reachable():
+        return datasets.load_dataset(repo, config, split=split, streaming=True)
+    from huggingface_hub import constants
+
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
     try:
-        import datasets
+        return datasets.load_dataset(repo, config, split=split)
+    except Exception:  # noqa: BLE001 - whatever datasets raises offline, the cause is the same
+        raise ShardlmError(
+            f"cannot load Hugging Face dataset '{repo}': the Hugging Face Hub cannot be reached and it is not in "
+            "the local HF datasets cache. Download it elsewhere and point data.train/data.val at local files "
+            "(.txt/.jsonl/.parquet or a save_to_disk folder).") from None
 
-        stream = datasets.load_dataset(repo, config, split=split, streaming=True)
-        for row in stream:
-            yield row[field], rows_are_documents
+
+def _iter_hf(source: Source, field: str, rows_are_documents: bool) -> Iterator[tuple[str, bool]]:
+    repo, config, split = source.hf  # type: ignore[misc]
+    try:
+        for row in _load_hf(source, split):
+            yield row[field] or "", rows_are_documents  # a null cell is an empty document
     except ShardlmError:
         raise
     except KeyError:
@@ -193,7 +253,7 @@ def _iter_hf(repo: str, config: str | None, split: str, field: str, rows_are_doc
         raise ShardlmError(
             f"cannot load Hugging Face dataset '{repo}' ({config or 'default'}, split {split}): "
             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. Without network access, download it "
-            "elsewhere and point data.train/data.val at local .txt/.jsonl files."
+            "elsewhere and point data.train/data.val at local files."
         ) from None
     if not rows_are_documents:
         yield "", True
@@ -201,11 +261,15 @@ def _iter_hf(repo: str, config: str | None, split: str, field: str, rows_are_doc
 
 def iter_documents(source: Source, field: str = "text", rows_are_documents: bool = True):
     if source.hf:
-        yield from _iter_hf(*source.hf, field, rows_are_documents)
+        yield from _iter_hf(source, field, rows_are_documents)
         return
     for path in source.files:
-        suffix = path.suffix.lower()
-        if suffix == ".csv":
+        suffix = inner_suffix(path)
+        if path.suffix.lower() == ".arrow":
+            yield from tables.iter_arrow(path, field)
+        elif suffix == ".parquet":
+            yield from tables.iter_parquet(path, field)
+        elif suffix == ".csv":
             yield from _iter_csv(path, field)
         elif suffix in (".jsonl", ".json"):
             yield from _iter_jsonl(path, field)

@@ -1,0 +1,78 @@
+"""`shardlm prepare [CONFIG] [key=value ...]`: build the token caches of data.train and data.val, then exit.
+
+Tokenizing a large corpus inside `shardlm train` keeps every GPU of the job idle while it runs (and a
+multi-node job waits on it within `parallel.timeout_s`); run this on a login node or as a CPU job first and
+the training job finds its caches built. It uses every core (the tokenizers library's thread pool over
+batches of token-neutral pieces; `RAYON_NUM_THREADS` caps it) and writes in order, so a cache is the same
+file whatever the core count. Under torchrun or srun every rank may run it: the cache's lock lets one
+process build each cache while the others wait and reuse it, and only rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardlm.config import Config
+
+
+@dataclass
+class Prepared:
+    name: str  # train | val
+    spec: str
+    folder: Path
+    documents: int
+    tokens: int
+    text_bytes: int | None  # None for a cache built by an older shardlm
+    seconds: float
+    cached: bool  # built earlier (by another run, or another rank while this one waited)
+
+    def line(self) -> str:
+        mb = f"{self.text_bytes / 1e6:,.1f} MB" if self.text_bytes is not None else "? MB"
+        speed = "" if self.text_bytes is None else f" ({self.text_bytes / 1e6 / max(self.seconds, 1e-3):,.1f} MB/s)"
+        when = "built earlier" if self.cached else f"in {self.seconds:.1f}s{speed}"
+        docs = f"{self.documents:,} document{'s' if self.documents != 1 else ''}"
+        return (f"{self.name}: {self.spec}: {docs}, {self.tokens:,} tokens, {mb}, {when}\n"
+                f"  cache: {self.folder}")
+
+
+def prepare(cfg: Config, log=print) -> list[Prepared]:
+    from shardlm.data.cache import build_cache, cache_root
+    from shardlm.data.sources import resolve
+    from shardlm.tokenizer import model_tokenizer
+
+    tokenizer = model_tokenizer(cfg.model)
+    root = cache_root(cfg.data.cache_dir)
+    done = []
+    for name, spec, split in (("train", cfg.data.train, "train"), ("val", cfg.data.val, "validation")):
+        if not spec:
+            continue
+        start = time.time()
+        source = resolve(spec, split, cfg.data.data_files)
+        logs: list[str] = []
+
+        def tee(msg: str, logs: list[str] = logs) -> None:
+            logs.append(msg)
+            if not msg.startswith("tokenized "):  # the summary below says it
+                log(msg)
+
+        folder = build_cache(source, tokenizer, root, cfg.data.text_field, cfg.data.hf_rows_are_documents, log=tee)
+        meta = json.loads((folder / "meta.json").read_text())
+        built_here = any(m.startswith("tokenizing") for m in logs)
+        done.append(Prepared(name, spec, folder, meta["documents"], meta["num_tokens"], meta.get("text_bytes"),
+                             meta.get("seconds", time.time() - start) if built_here else 0.0, not built_here))
+    return done
+
+
+def prepare_command(cfg: Config) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    quiet = (lambda *_: None) if rank else (lambda msg: print(msg, flush=True))
+    done = prepare(cfg, log=quiet)
+    if rank == 0:
+        print("\n".join(p.line() for p in done))
+        if not cfg.data.val:
+            print(f"val: none: the last {cfg.data.val_fraction:.0%} of the training tokens are held out")
+    return 0
