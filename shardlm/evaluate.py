@@ -4,6 +4,9 @@ Block mode scores the same packed blocks training validates on. `--stride` is th
 used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and only
 the tokens not scored by an earlier window count, each with up to a full context before it.
 
+`--generation N` adds generation quality (shardlm.genquality) on N held-out prompts: in the JSON line under
+"generation" and, for a run, as a `"split": "gen"` record in its metrics.jsonl at the checkpoint's step.
+
 Progress goes to stderr (a bar on a terminal, else a line after the first batch and every ~10 s); stdout
 carries only the final JSON line.
 """
@@ -15,6 +18,8 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +27,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
+from shardlm.genquality import FEW_FOR_MAUVE, MODULES, generation_quality, held_out_prompts, require
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
 from shardlm.metrics import fmt_time
@@ -114,10 +120,33 @@ def _summary(total: np.ndarray) -> dict:
     return {"loss": loss, "ppl": math.exp(min(loss, 700)), "accuracy": total[1] / total[2], "tokens": int(total[2])}
 
 
-def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
+@dataclass
+class GenOptions:
+    """`eval --generation N`: N held-out prompts, sampled with this temperature / top-p and seed; MAUVE's
+    features from `featurizer` (a run dir, checkpoint or HF folder), or None for the evaluated model."""
+    n: int = 0
+    featurizer: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def check(self) -> None:
+        from shardlm.generate import check_options
+
+        if self.n < 0:
+            raise ShardlmError(f"--generation must be >= 0 (0 = off), got {self.n}.")
+        check_options(1, self.temperature, 0, self.top_p, 1, 1)
+        if self.n:
+            for module in MODULES:
+                require(module)
+
+
+def evaluate_path(path: str, overrides: list[str], stride: int = 0, gen: GenOptions | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = gen or GenOptions()
+    gen.check()  # before any model is loaded
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON line alone (scripts parse it)
-        model, tokenizer, saved, _ckpt = load_for_inference(path, device.type)
+        model, tokenizer, saved, ckpt = load_for_inference(path, device.type)
         context = context_length(model.config) or 1024
         if not 0 <= stride <= context:
             raise ShardlmError(f"--stride {stride}: give 1..{context} (the model's context); a larger stride "
@@ -127,11 +156,64 @@ def evaluate_path(path: str, overrides: list[str], stride: int = 0) -> dict:
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
         tokens = _validation_tokens(cfg, tokenizer, device, exported=saved is None)
+    seq_len = min(cfg.data.seq_len, context)
+    if gen.n:
+        held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
     result = _evaluate(model, tokens, cfg, context, stride, device)
-    print(json.dumps(result))
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']:,} tokens)", file=sys.stderr)
+    if gen.n:
+        result["generation"] = evaluate_generation(model, tokenizer, tokens, seq_len, gen, device)
+        log_generation(ckpt, result["generation"])
+    print(json.dumps(result))
     return result
+
+
+def evaluate_generation(model, tokenizer, tokens: np.ndarray, seq_len: int, gen: GenOptions,
+                        device: torch.device) -> dict:
+    """shardlm.genquality's metrics of `gen.n` held-out prompts, printed to stderr as a few lines."""
+    featurizer = None
+    if gen.featurizer:
+        with contextlib.redirect_stdout(sys.stderr):
+            f_model, f_tok, _cfg, _ckpt = load_for_inference(gen.featurizer, device.type)
+        featurizer = (f_model, f_tok)
+    began = time.perf_counter()
+    out = generation_quality(model, tokenizer, tokens, seq_len, gen.n, gen.temperature, gen.top_p, gen.seed,
+                             featurizer)
+    out |= {"prompts": gen.n, "prompt_tokens": seq_len // 2, "new_tokens": seq_len - seq_len // 2,
+            "temperature": gen.temperature, "top_p": gen.top_p, "seed": gen.seed,
+            "mauve_features": gen.featurizer or "the evaluated model (last hidden state)",
+            "seconds": round(time.perf_counter() - began, 2)}
+    print(describe_generation(out), file=sys.stderr)
+    return out
+
+
+def describe_generation(g: dict) -> str:
+    ref = g["reference"]
+    few = f"; noisy below ~{FEW_FOR_MAUVE} samples" if g["prompts"] < FEW_FOR_MAUVE else ""
+    return "\n".join([
+        f"generation: {g['prompts']} held-out prompts of {g['prompt_tokens']} tokens, {g['new_tokens']} new tokens "
+        f"sampled (temperature {g['temperature']:g}, top-p {g['top_p']:g}, seed {g['seed']}) in {g['seconds']:.1f}s",
+        "                 samples  true continuations",
+        *(f"  {name:<14} {g[key]:7.3f}  {ref[key]:7.3f}" for name, key in
+          (("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("distinct-3", "distinct_3"),
+           ("rep-4", "rep_4"), ("self-BLEU", "self_bleu"), ("mean words", "mean_words"))),
+        f"  ROUGE-L vs the true continuations {g['rouge_l']:.3f}; mean length {g['mean_tokens']:.1f} tokens",
+        f"  MAUVE {g['mauve']:.3f} (features: {g['mauve_features']}{few})"])
+
+
+def log_generation(ckpt: Path | None, g: dict) -> None:
+    """Appends the numbers to the run's metrics.jsonl (split "gen", the checkpoint's step), so `shardlm plot`
+    draws them; an exported folder has no run to append to."""
+    run = ckpt.parent.parent if ckpt is not None and ckpt.parent.name == "checkpoints" else None
+    if run is None or not (run / "metrics.jsonl").is_file():
+        return
+    step = json.loads((ckpt / "manifest.json").read_text()).get("step")
+    record = {"step": step, "split": "gen", "source": "eval",
+              **{k: v for k, v in g.items() if isinstance(v, (int, float)) and k != "seconds"}}
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"appended to {run / 'metrics.jsonl'} (split gen, step {step})", file=sys.stderr)
 
 
 def _evaluate(model, tokens: np.ndarray, cfg, context: int, stride: int, device: torch.device) -> dict:

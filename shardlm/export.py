@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardlm import ShardlmError
 from shardlm.load import is_adapter_folder, is_hf_folder, load_for_inference
-from shardlm.model import context_length
+from shardlm.model import context_length, padding_ids
 
 
 def _check_target(out: Path) -> None:
@@ -31,7 +31,16 @@ def _replace(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def export_adapter(path: str | Path, out: Path) -> Path:
+def _run_config(ckpt: Path | None):
+    """The run's config as trained (load_for_inference clears lora.* of a merged LoRA model)."""
+    import yaml
+
+    from shardlm.config import config_from_dict
+
+    return None if ckpt is None else config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+
+
+def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> Path:
     """A LoRA checkpoint (or run dir) -> a PEFT adapter folder; the base it names is the run's model.name."""
     import sys
 
@@ -60,6 +69,7 @@ def export_adapter(path: str | Path, out: Path) -> Path:
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")).save_pretrained(str(tmp))
+        write_card(tmp, model, cfg, ckpt, repo_id or str(out), adapter=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShardlmError(f"export to '{out}' failed: {e.strerror or e}.") from None
@@ -67,14 +77,16 @@ def export_adapter(path: str | Path, out: Path) -> Path:
     return out
 
 
-def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", adapter: bool = False) -> Path:
+def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", adapter: bool = False,
+           repo_id: str | None = None) -> Path:
+    """`repo_id`: the Hub repo the folder is for, named in the model card's loading example."""
     from transformers import GenerationConfig
 
     out = Path(out_dir).expanduser()
     _check_target(out)
     if adapter:
-        return export_adapter(path, out)
-    model, tokenizer, _cfg, _ckpt = load_for_inference(path)
+        return export_adapter(path, out, repo_id)
+    model, tokenizer, _cfg, ckpt = load_for_inference(path)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -89,11 +101,118 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
         # samples like `shardlm generate` (temperature 0.8, no top-k); never runs past the positions
         model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
                                                    do_sample=True, temperature=0.8, top_k=0,
-                                                   max_new_tokens=min(100, (positions or 200) // 2))
+                                                   max_new_tokens=min(100, (positions or 200) // 2),
+                                                   suppress_tokens=padding_ids(model.config))  # vocab_multiple
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(str(tmp))
+        write_card(tmp, model, _run_config(ckpt), ckpt, repo_id or str(out))
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShardlmError(f"export to '{out}' failed: {e.strerror or e}.") from None
     _replace(tmp, out)
     return out
+
+
+# ---- the model card: README.md (+ loss.png) in every export folder -----------------------------------------
+def run_facts(ckpt: Path | None) -> dict:
+    """Step, tokens seen and the last train / validation numbers up to the checkpoint, from its run's
+    metrics.jsonl (empty for an exported folder, which keeps no run)."""
+    import json
+
+    from shardlm.plot import read_metrics
+
+    if ckpt is None:
+        return {}
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    step = manifest.get("step", 0)
+    facts: dict = {"step": step, "world_size": manifest.get("world_size")}
+    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    if run is None or not (run / "metrics.jsonl").is_file():
+        return facts
+    records = [r for r in read_metrics(run) if (r.get("step") or 0) <= step]
+    for split in ("train", "val"):
+        last = [r for r in records if r.get("split") == split]
+        if last:
+            facts[split] = last[-1]
+    facts["run"] = run
+    return facts
+
+
+def _table(rows: list[tuple[str, object]]) -> list[str]:
+    return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))]
+
+
+def _loss(record: dict | None) -> str | None:
+    import math
+
+    if not record or not isinstance(record.get("loss"), (int, float)):
+        return None
+    return f"{record['loss']:.4f} (perplexity {math.exp(min(record['loss'], 700)):.2f}) at step {record['step']}"
+
+
+def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
+    c, positions = model.config, context_length(model.config)
+    n_params = sum(p.numel() for p in model.parameters())
+    train, val = facts.get("train"), facts.get("val")
+    rows = [("architecture", f"{c.model_type}, {n_params / 1e6:.2f}M parameters, {getattr(c, 'num_hidden_layers', '?')}"
+             f" layers, width {getattr(c, 'hidden_size', '?')}, context {positions}, vocabulary {c.vocab_size}"),
+            ("base model", (cfg.model.name or "none: trained from scratch") if cfg else None),
+            ("tokenizer", (cfg.model.tokenizer or "the base model's") if cfg else None),
+            ("training data", cfg.data.train if cfg else None),
+            ("validation data", (cfg.data.val or f"the last {cfg.data.val_fraction:.0%} of the training data")
+             if cfg else None),
+            ("steps", facts.get("step")),
+            ("tokens seen", f"{train['tokens']:,}" if train and "tokens" in train else None),
+            ("final train loss", _loss(train)), ("final validation loss", _loss(val)),
+            ("final validation accuracy", f"{val['accuracy']:.4f}" if val and val.get("accuracy") else None)]
+    if cfg:
+        t, p = cfg.train, cfg.parallel
+        rows += [("config", f"seq_len {cfg.data.seq_len}, batch {t.batch_size} x grad_accum {t.grad_accum} x "
+                            f"{facts.get('world_size') or '?'} rank(s), lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
+                            f"to {t.lr * t.min_lr_ratio:g}), weight decay {t.weight_decay:g}, precision {p.precision}, "
+                            f"sharding {p.sharding}, seed {t.seed}"),
+                 ("LoRA", f"r {cfg.lora.r}, alpha {cfg.lora.alpha:g}" if cfg.lora.r else None)]
+    return rows
+
+
+def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, image: bool = False) -> str:
+    """README.md: what the model is, what it was trained on and how far, and how to load it."""
+    base = cfg.model.name if cfg is not None and cfg.model.name else None
+    meta = ["---", f"library_name: {'peft' if adapter else 'transformers'}", "pipeline_tag: text-generation",
+            "tags: [shardlm, causal-lm]", *([f"base_model: {base}"] if base and not Path(base).exists() else []), "---"]
+    if adapter:
+        load = ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
+                f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+                f'model = PeftModel.from_pretrained(base, "{model_id}")', "```"]
+    else:
+        load = ["```python", "from transformers import pipeline", "",
+                f'generate = pipeline("text-generation", model="{model_id}")',
+                'print(generate("ROMEO:", max_new_tokens=100)[0]["generated_text"])  # samples (temperature 0.8)',
+                'print(generate("ROMEO:", max_new_tokens=100, do_sample=False)[0]["generated_text"])  # greedy', "```"]
+    what = "A LoRA adapter" if adapter else "A causal language model"
+    return "\n".join([*meta, f"# {Path(model_id).name}", "",
+                      f"{what} trained with shardlm (PyTorch FSDP2).", "", "## Training", "",
+                      *_table(card_rows(model, cfg, facts)), "",
+                      *(["![training and validation loss](loss.png)", ""] if image else []),
+                      "## How to use", "", *load, "",
+                      *([] if adapter else ["`generation_config.json` samples by default (temperature 0.8, like "
+                                            "`shardlm generate`).", ""]),
+                      "## Limitations and license", "",
+                      "A model of this size and training budget writes fluent-looking but unreliable text: it states "
+                      "no facts you can trust, may repeat or reproduce its training data, and carries that data's "
+                      "biases. It is not meant for use in any product without evaluation for that use.", "",
+                      "The weights inherit the license of the base model (if any) and the terms of the training "
+                      "data; set a `license:` above accordingly before sharing. shardlm itself is MIT-licensed.", ""])
+
+
+def write_card(folder: Path, model, cfg, ckpt: Path | None, model_id: str, adapter: bool = False) -> None:
+    from shardlm.plot import PANELS, draw, load_runs
+
+    facts = run_facts(ckpt)
+    image = False
+    if "run" in facts:
+        fig = draw(PANELS[0], load_runs([str(facts["run"])]))
+        if fig is not None:
+            fig.savefig(folder / "loss.png")
+            image = True
+    (folder / "README.md").write_text(model_card(model, cfg, facts, model_id, adapter, image))

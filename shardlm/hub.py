@@ -1,5 +1,6 @@
 """Reaching the Hugging Face Hub. Offline, transformers and datasets retry for ~30 s per file before
-giving up; one short probe lets shardlm go straight to the local HF cache, or fail with its message."""
+giving up; one short probe lets shardlm go straight to the local HF cache, or fail with its message.
+`push_folder` uploads an exported model (`shardlm export RUN OUT --push-to-hub REPO`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
+
+from shardlm import ShardlmError
 
 _TRUE = {"1", "true", "yes", "on"}
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
@@ -35,3 +38,28 @@ def hub_kwargs(source: str) -> dict:
     """Extra `from_pretrained` arguments for `source` (a local folder or a hub name): for a hub name while
     the Hub is unreachable, the local HF cache only."""
     return {} if Path(source).exists() or hub_reachable() else {"local_files_only": True}
+
+
+def push_folder(folder: Path, repo_id: str, private: bool = False) -> str:
+    """Uploads an export folder to the Hub model repo `repo_id` (created if missing, `private` then); returns
+    its URL. The token is HF_TOKEN or the `hf auth login` one; HF_ENDPOINT picks another Hub. Any failure is
+    one line that says the local export is complete, since the folder is written before this is called."""
+    from huggingface_hub import HfApi, constants, get_token
+
+    where = f"the export in '{folder}' is complete; push it later with `hf upload {repo_id} {folder}`"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in _TRUE:
+        raise ShardlmError(f"--push-to-hub: HF_HUB_OFFLINE is set, so nothing was uploaded; {where}.")
+    token = get_token()
+    if not token:
+        raise ShardlmError(f"--push-to-hub needs a Hugging Face token with write access: set HF_TOKEN or run "
+                           f"`hf auth login`; {where}.")
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                          commit_message="Upload model exported by shardlm")
+    except Exception as e:  # noqa: BLE001 - httpx, requests and the Hub's HTTP errors alike: one line, not a trace
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ShardlmError(f"--push-to-hub {repo_id} failed ({endpoint}: {reason}); {where}.") from None
+    return str(url)

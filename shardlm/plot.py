@@ -43,11 +43,16 @@ PANELS = (
     Panel("memory.png", "Memory (rank 0)", "memory (GiB)", (("train", "peak_mem_gb"), ("train", "gpu_mem_used_gb")),
           scale=GIB_PER_GB, y="zero"),
     Panel("gpu_utilization.png", "GPU utilization (NVML, rank 0)", "GPU busy (%)", (("train", "gpu_util"),), y="zero"),
+    Panel("generation.png", "Generation quality (held-out prompts)", "score (0 to 1)",
+          tuple(("gen", m) for m in ("distinct_2", "rep_4", "self_bleu", "rouge_l", "mauve")), y="zero"),
 )
+STYLES = ("-", "--", ":", "-.", (0, (3, 1, 1, 1, 1, 1)))  # one per series of a panel
 PEAK_MEM = {"cpu": "peak RSS of the process (CPU)", "cuda": "peak allocated by PyTorch (CUDA)",
             None: "peak memory (process RSS on CPU, allocated on GPU)"}
 METRIC_NAMES = {"gpu_mem_used_gb": "GPU memory used (NVML)", "ppl": "perplexity", "lr": "learning rate",
-                "grad_norm": "grad norm", "tokens_per_s": "tokens/s", "mfu": "MFU", "gpu_util": "GPU utilization"}
+                "grad_norm": "grad norm", "tokens_per_s": "tokens/s", "mfu": "MFU", "gpu_util": "GPU utilization",
+                "distinct_2": "distinct-2", "rep_4": "rep-4 (repetition)", "self_bleu": "self-BLEU",
+                "rouge_l": "ROUGE-L", "mauve": "MAUVE"}
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -138,7 +143,7 @@ def plot_series(ax: Axes, panel: Panel, runs: list[RunData]) -> list[float]:
             ys = [y * panel.scale for y in ys]
             what = PEAK_MEM[run.device] if metric == "peak_mem_gb" else METRIC_NAMES.get(metric, metric)
             label = f"{split} {what}" if any(s == "val" for s, _ in panel.series) else what
-            ax.plot(xs, ys, ("-", "--", ":")[j], color=f"C{i if len(runs) > 1 else j}", markersize=4,
+            ax.plot(xs, ys, linestyle=STYLES[j], color=f"C{i if len(runs) > 1 else j}", markersize=4,
                     marker="o" if split == "val" or len(xs) < 10 else None,  # a line through 1 point is invisible
                     label=f"{run.name}: {label}" if len(runs) > 1 else label)
             ys_all += ys

@@ -7,6 +7,8 @@ out_dir) goes on logging to the same W&B run / MLflow run.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -110,6 +112,7 @@ class MlflowTracker(Tracker):
         new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in logged]
         for i in range(0, len(new), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(self.run_id, params=new[i:i + 100])
+        atexit.register(self.abandon)  # a crash skips close(): the run must not stay RUNNING forever
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -121,7 +124,15 @@ class MlflowTracker(Tracker):
         self.log(values, step)
 
     def close(self) -> None:
+        atexit.unregister(self.abandon)
         self.client.set_terminated(self.run_id)
+
+    def abandon(self) -> None:
+        """At interpreter exit without close(): an exception or Ctrl-C ended training, so the run FAILED
+        (a resume sets it RUNNING again). A SIGKILL runs nothing: such a run stays RUNNING."""
+        atexit.unregister(self.abandon)
+        with contextlib.suppress(Exception):  # best effort on the way out: the real error is already printed
+            self.client.set_terminated(self.run_id, status="FAILED")
 
 
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
