@@ -1,4 +1,4 @@
-"""`shardlm train | eval | generate | export | plot`: each subcommand is a plain function."""
+"""`shardlm train | eval | generate | export | prepare | plot | ...`: each subcommand is a plain function."""
 
 from __future__ import annotations
 
@@ -28,20 +28,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(dry_run(cfg, args.nproc or detect_launch(launcher=cfg.parallel.launcher).world_size))
         return 0
+    from shardlm.callbacks import load
+
+    callbacks = [load(spec) for spec in args.callback]  # a bad one fails here, before any process starts
     if args.nproc and "TORCHELASTIC_RUN_ID" not in os.environ:
         from shardlm.launch import launch
 
-        return launch(args.nproc, args.max_restarts, args.rest, args.debug)
+        forwarded = [f"--callback={spec}" for spec in args.callback]  # each rank loads its own
+        return launch(args.nproc, args.max_restarts, [*forwarded, *args.rest], args.debug)
     from shardlm.train import train
 
-    train(cfg)
+    train(cfg, callbacks=callbacks)
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from shardlm.evaluate import evaluate_path
+    from shardlm.evaluate import GenOptions, evaluate_path
 
-    evaluate_path(args.path, args.overrides, stride=args.stride)
+    gen = GenOptions(args.generation, args.featurizer, args.temperature, args.top_p, args.seed)
+    evaluate_path(args.path, args.overrides, stride=args.stride, gen=gen)
     return 0
 
 
@@ -62,8 +67,14 @@ def cmd_env(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from shardlm.export import export
 
-    out = export(args.path, args.out_dir, adapter=args.adapter)
+    if args.private and not args.push_to_hub:
+        raise ShardlmError("--private applies to --push-to-hub REPO_ID; give both, or neither.")
+    out = export(args.path, args.out_dir, adapter=args.adapter, repo_id=args.push_to_hub)
     print(f"exported to {out}", file=sys.stderr)
+    if args.push_to_hub:
+        from shardlm.hub import push_folder
+
+        print(f"pushed to {push_folder(out, args.push_to_hub, args.private)}", file=sys.stderr)
     return 0
 
 
@@ -99,6 +110,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from shardlm.config import load_config
+    from shardlm.prepare import prepare_command
+
+    config, overrides = _split_config(args.rest)
+    return prepare_command(load_config(config, overrides))
+
+
 REFERENCE = "config keys: the README's 'Config reference' (python -m shardlm.docs prints it)"
 TRAIN_EXAMPLES = """examples:
   shardlm train                                      the defaults: a byte-level GPT on Tiny Shakespeare
@@ -131,13 +150,27 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts on failure")
     t.add_argument("--dry-run", action="store_true",
                    help="check the config, data, model and parallel plan, then exit without training")
+    t.add_argument("--callback", action="append", default=[], metavar="MODULE:NAME",
+                   help="run a callback of your own (shardlm.callbacks: early stopping, custom logging); "
+                        "MODULE:NAME or file.py:NAME, with literal arguments as NAME(3, x='a'); repeatable")
     config_args(t)
 
     e = add("eval", cmd_eval, "evaluate a checkpoint, run dir or HF folder: shardlm eval PATH [data.val=...]",
-            "examples:\n  shardlm eval runs/demo\n  shardlm eval runs/demo-hf data.val=valid.txt --stride 512\n")
+            "examples:\n  shardlm eval runs/demo\n  shardlm eval runs/demo-hf data.val=valid.txt --stride 512\n"
+            "  shardlm eval runs/demo --generation 200   (+ generation quality; appended to metrics.jsonl)\n")
     e.add_argument("path", help="a checkpoint (checkpoints/step_N), a run dir (its newest checkpoint) or an "
                                 "exported Hugging Face folder")
     e.add_argument("--stride", type=int, default=0, help="sliding-window perplexity with this stride")
+    e.add_argument("--generation", type=int, default=0, metavar="N",
+                   help="also sample N continuations of held-out prompts (first half of validation blocks) and "
+                        "report distinct-n, rep-4, self-BLEU, ROUGE-L and MAUVE (pip install shardlm[gen])")
+    e.add_argument("--featurizer", default=None, metavar="PATH",
+                   help="with --generation: model whose last hidden states are MAUVE's features (run dir, "
+                        "checkpoint or HF folder; default the evaluated model)")
+    e.add_argument("--temperature", type=float, default=1.0,
+                   help="with --generation: sampling temperature (default 1.0: the model's own distribution)")
+    e.add_argument("--top-p", type=float, default=1.0, help="with --generation: nucleus mass; 1.0 = off")
+    e.add_argument("--seed", type=int, default=0, help="with --generation: the same seed gives the same numbers")
     e.add_argument("overrides", nargs="*", metavar="key=value",
                    help="e.g. data.val=FILE (default: the run's validation data), data.seq_len=N")
 
@@ -167,12 +200,23 @@ def parser() -> argparse.ArgumentParser:
 
     x = add("export", cmd_export, "write a Hugging Face folder from a checkpoint or run dir",
             "example:\n  shardlm export runs/demo runs/demo-hf   # then transformers.pipeline(model='runs/demo-hf')\n"
-            "  shardlm export runs/lora runs/lora-adapter --adapter  # peft.PeftModel.from_pretrained(base, ...)\n")
+            "  shardlm export runs/lora runs/lora-adapter --adapter  # peft.PeftModel.from_pretrained(base, ...)\n"
+            "  shardlm export runs/demo runs/demo-hf --push-to-hub me/demo --private\n"
+            "every export folder gets a model card README.md (data, steps, final losses, how to load).\n")
     x.add_argument("path", help="a checkpoint or a run dir (its newest checkpoint)")
     x.add_argument("out_dir", help="folder to write config.json, model.safetensors and the tokenizer to")
     x.add_argument("--adapter", action="store_true",
                    help="LoRA runs: write the PEFT adapter (adapter_config.json, adapter_model.safetensors) instead "
                         "of the merged model")
+    x.add_argument("--push-to-hub", default=None, metavar="REPO_ID",
+                   help="then upload the folder to this Hugging Face model repo (token: HF_TOKEN or `hf auth login`)")
+    x.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
+
+    pr = add("prepare", cmd_prepare, "build the token caches of data.train and data.val, then exit",
+             "examples:\n  shardlm prepare configs/gpt2_wikitext2.yaml     on a login node, before the GPU job\n"
+             "  shardlm prepare data.train=corpus.parquet model.tokenizer=gpt2\n"
+             "prints documents, tokens, MB/s and the cache folder of each; every core tokenizes.\n")
+    config_args(pr)
 
     es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG.yaml] [key=value]")
     es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],

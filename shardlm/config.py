@@ -72,6 +72,7 @@ class DataConfig:
     text_field: str = "text"  # column of .csv / field of .jsonl / HF dataset column
     hf_rows_are_documents: bool = True  # False for line-per-row datasets such as wikitext (no EOS per row)
     cache_dir: str | None = None  # token cache; None = ~/.cache/shardlm (or $SHARDLM_CACHE)
+    data_files: Any = None  # for hf:json / hf:parquet / hf:csv / hf:text: a path, glob, list, or {split: files}
 
 
 @dataclass

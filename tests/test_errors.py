@@ -208,3 +208,153 @@ def test_eval_of_an_export_needs_data(hf_folder):
 
     with pytest.raises(ShardlmError, match="carries no data settings: pass data.val=PATH"):
         evaluate_path(str(hf_folder), [])
+
+
+# ---- rows 85-91: eval --generation and export --push-to-hub --------------------------------------------------
+@pytest.mark.parametrize("env, message", [
+    ({"HF_HUB_OFFLINE": "1"}, "--push-to-hub: HF_HUB_OFFLINE is set, so nothing was uploaded; the export in"),
+    ({"HF_TOKEN": ""}, "--push-to-hub needs a Hugging Face token with write access: set HF_TOKEN"),
+])
+def test_push_to_hub_offline_or_without_token(hf_folder, tmp_path, monkeypatch, env, message):
+    from huggingface_hub import constants
+
+    from shardlm.export import export
+    from shardlm.hub import push_folder
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no `hf auth login` token
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = export(hf_folder, tmp_path / "out", repo_id="me/tiny")
+    with pytest.raises(ShardlmError, match=message) as error:
+        push_folder(out, "me/tiny")
+    assert "\n" not in str(error.value) and (out / "model.safetensors").is_file()
+
+
+def test_generation_options_are_checked_before_loading(tmp_path, monkeypatch):
+    import sys
+
+    from shardlm.evaluate import GenOptions, evaluate_path
+
+    missing = str(tmp_path / "no-run")
+    with pytest.raises(ShardlmError, match="--generation must be >= 0"):
+        evaluate_path(missing, [], gen=GenOptions(n=-1))
+    with pytest.raises(ShardlmError, match=r"--top-p must be in \(0, 1\]"):
+        evaluate_path(missing, [], gen=GenOptions(n=4, top_p=0))
+    monkeypatch.setitem(sys.modules, "mauve", None)
+    with pytest.raises(ShardlmError, match=r"need the [a-z-]+ package, which is not installed: .*shardlm\[gen\]"):
+        evaluate_path(missing, [], gen=GenOptions(n=4))
+    with pytest.raises(ShardlmError, match="--private applies to --push-to-hub"):
+        from shardlm.cli import cmd_export, parse_args
+
+        cmd_export(parse_args(["export", missing, str(tmp_path / "out"), "--private"]))
+
+
+def test_generation_without_validation_data(hf_folder, tmp_path):
+    pytest.importorskip("mauve")
+    from shardlm.evaluate import GenOptions, evaluate_path
+
+    with pytest.raises(ShardlmError, match="carries no data settings: pass data.val=PATH"):
+        evaluate_path(str(hf_folder), [], gen=GenOptions(n=4))
+    (tmp_path / "short.txt").write_text("x" * 100)
+    with pytest.raises(ShardlmError, match="--generation 4 needs 4 held-out blocks of 32 tokens, but the validation "
+                                           "data holds 3: lower --generation or data.seq_len"):
+        evaluate_path(str(hf_folder), [f"data.val={tmp_path / 'short.txt'}", "data.seq_len=32",
+                                       f"data.cache_dir={tmp_path / 'cache'}"], gen=GenOptions(n=4))
+
+
+# --- bad data files (rows 70-74): one line naming the file and the fix; earlier caches untouched ---------------
+
+def _data_error(path, tmp_path, **kw) -> str:
+    from shardlm.data.cache import build_cache
+    from shardlm.data.sources import resolve
+
+    with pytest.raises(ShardlmError) as err:
+        build_cache(resolve(str(path), "train"), byte_tokenizer(), tmp_path / "cache", log=lambda *_: None, **kw)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def _gzip_and_zstd(tmp_path, name: str, data: bytes) -> tuple:
+    import gzip
+
+    import zstandard
+
+    gz, zst = gzip.compress(data), zstandard.ZstdCompressor().compress(data)
+    return (tmp_path / f"{name}.gz", gz), (tmp_path / f"{name}.zst", zst)
+
+
+def test_truncated_and_corrupt_compressed_files_name_the_file_and_the_byte(tmp_path):
+    import random
+
+    data = "".join(random.Random(0).choices("abc de\n", k=20_000)).encode()
+    (gz, gz_bytes), (zst, zst_bytes) = _gzip_and_zstd(tmp_path, "c.txt", data)
+    gz.write_bytes(gz_bytes[: len(gz_bytes) // 2])
+    zst.write_bytes(zst_bytes[: len(zst_bytes) // 2])
+    message = _data_error(gz, tmp_path)
+    assert f"c.txt.gz' is truncated: its gzip stream stops inside a compressed frame at byte {len(gz_bytes) // 2:,}" \
+           in message and "Re-download or re-compress it (`gzip -t c.txt.gz` checks a file)" in message
+    assert "c.txt.zst' is truncated: its zstd stream stops" in _data_error(zst, tmp_path)
+    gz.write_bytes(gz_bytes[:-8] + bytes(8))  # CRC and length zeroed
+    assert "c.txt.gz' is corrupt gzip data near byte" in _data_error(gz, tmp_path)
+    zst.write_bytes(zst_bytes[:4] + b"\xff" * 8 + zst_bytes[12:])  # frame header garbled
+    assert "c.txt.zst' is corrupt zstd data near byte" in _data_error(zst, tmp_path)
+    (tmp_path / "plain.jsonl.gz").write_text('{"text": "not compressed"}\n')
+    assert "plain.jsonl.gz' is not gzip data" in _data_error(tmp_path / "plain.jsonl.gz", tmp_path)
+
+
+def test_parquet_without_the_text_column_lists_its_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1], "body": ["x"]}), tmp_path / "a.parquet")
+    assert "a.parquet: Parquet file has no 'text' column (columns: id, body). Set data.text_field" in \
+        _data_error(tmp_path / "a.parquet", tmp_path)
+    assert "column 'id' holds int64, not text" in _data_error(tmp_path / "a.parquet", tmp_path, text_field="id")
+    import random
+
+    rng = random.Random(0)
+    pq.write_table(pa.table({"text": ["".join(rng.choices("abcdefgh ", k=100)) for _ in range(500)]}),
+                   tmp_path / "b.parquet", row_group_size=100)
+    damaged = bytearray((tmp_path / "b.parquet").read_bytes())
+    damaged[len(damaged) // 2: len(damaged) // 2 + 2000] = bytes(2000)
+    (tmp_path / "b.parquet").write_bytes(bytes(damaged))
+    assert "b.parquet' is corrupt Parquet after row " in _data_error(tmp_path / "b.parquet", tmp_path)
+
+
+def test_arrow_folder_that_is_not_a_dataset(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": ["x"]}).save_to_disk(tmp_path / "ds")
+    (tmp_path / "ds" / "state.json").unlink()
+    assert "folder '" in (msg := _data_error(tmp_path / "ds", tmp_path)) and \
+        "ds' holds Arrow data but is not a dataset saved by datasets' save_to_disk (no state.json beside its " \
+        ".arrow files). Give the folder save_to_disk wrote" in msg
+    (tmp_path / "ds" / "state.json").write_text('{"_data_files": [{"filename": "gone.arrow"}]}')
+    assert "(gone.arrow, listed in its state.json, is missing)" in _data_error(tmp_path / "ds", tmp_path)
+    (tmp_path / "ds" / "state.json").write_text("{not json")
+    assert "(state.json is not readable JSON" in _data_error(tmp_path / "ds", tmp_path)
+
+
+def test_prepare_of_a_corrupt_file_exits_2_in_one_line_and_keeps_the_cache(tmp_path, capsys):
+    """`shardlm prepare`'s own entry point (main(), in-process: the same path as the command line)."""
+    import gzip
+    import random
+
+    from shardlm.cli import main
+
+    (tmp_path / "good.txt").write_text("good text " * 50)
+    args = ["prepare", "model.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, f"data.train={tmp_path / 'good.txt'}"])
+    assert done.value.code == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    text = "".join(random.Random(0).choices("abc de\n", k=20_000)).encode()
+    (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(text)[:2000])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main([*args, f"data.train={tmp_path / 'bad.txt.gz'}"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: data file") and "bad.txt.gz' is truncated" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()} == before
