@@ -216,6 +216,9 @@ def shutdown(code: int = 0) -> None:
     and `os._exit` avoids that (measured: ~4% of exits abort otherwise), so multi-process runs are not flaky.
     """
     if dist.is_initialized():
+        from shardlm.tracking import abandon_open
+
+        abandon_open()  # os._exit below skips atexit: a crashed run's MLflow run must not stay RUNNING
         with contextlib.suppress(Exception):  # best effort on the way out
             dist.destroy_process_group()
         sys.stdout.flush()

@@ -112,7 +112,7 @@ class MlflowTracker(Tracker):
         new = [Param(k, str(v)[:6000]) for k, v in params.items() if k not in logged]
         for i in range(0, len(new), 100):  # log_batch takes at most 100 params per call
             self.client.log_batch(self.run_id, params=new[i:i + 100])
-        atexit.register(self.abandon)  # a crash skips close(): the run must not stay RUNNING forever
+        OPEN.add(self)  # a crash skips close(): the run must not stay RUNNING forever (abandon_open)
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
@@ -124,18 +124,27 @@ class MlflowTracker(Tracker):
         self.log(values, step)
 
     def close(self) -> None:
-        atexit.unregister(self.abandon)
+        OPEN.discard(self)
         self.client.set_terminated(self.run_id)
 
     def abandon(self) -> None:
         """At interpreter exit without close(): an exception or Ctrl-C ended training, so the run FAILED
         (a resume sets it RUNNING again). A SIGKILL runs nothing: such a run stays RUNNING."""
-        atexit.unregister(self.abandon)
+        OPEN.discard(self)
         with contextlib.suppress(Exception):  # best effort on the way out: the real error is already printed
             self.client.set_terminated(self.run_id, status="FAILED")
 
 
 TRACKERS = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+OPEN: set[MlflowTracker] = set()  # MLflow runs started and not yet closed
+
+
+@atexit.register
+def abandon_open() -> None:
+    """Mark every unclosed MLflow run FAILED: at interpreter exit, and from dist.shutdown, whose os._exit
+    (multi-process runs) skips atexit."""
+    for tracker in list(OPEN):
+        tracker.abandon()
 
 
 def start(cfg: Any, out_dir: Path) -> list[Tracker]:
