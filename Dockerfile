@@ -32,7 +32,7 @@ RUN pip install --no-deps /opt/shardlm \
 RUN useradd --create-home --uid 1000 --user-group --shell /bin/bash shardlm \
     && mkdir -p /workspace/runs /home/shardlm/.cache \
     && chown -R 1000:1000 /workspace /home/shardlm/.cache
-COPY --chown=1000:1000 configs /workspace/configs
+COPY --chown=1000:1000 shardlm/configs /workspace/configs
 COPY --chown=1000:1000 examples /workspace/examples
 USER 1000:1000
 WORKDIR /workspace

@@ -39,7 +39,7 @@ def worker(out_dir: str, mode: str) -> None:
                              "model.tokenizer=gpt2", "data.seq_len=64", f"out_dir={out_dir}"])
     d, pl = init_dist(cfg)
     model = build_model(cfg, model_config(cfg, load_tokenizer("gpt2")), pl, d)
-    opt, _ = build_optimizer(model, cfg, d.device, 10)
+    opt, _ = build_optimizer(model, cfg, 10)
     tokens = torch.randint(0, 50257, (1, 65), device=d.device)
     loss, _ = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()

@@ -144,7 +144,6 @@ def build_trainer(size: str, tokenizer: str, z: Sizes, compile_: str = "false"):
     """A shardlm Trainer for `size` at throughput's seq, batch and precision, in this process."""
     from mfu import overrides, parse_args
 
-    from shardlm.build import build
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
 
@@ -152,7 +151,7 @@ def build_trainer(size: str, tokenizer: str, z: Sizes, compile_: str = "false"):
     args = parse_args(["--seq", str(z.seq), "--batch", str(z.batch), "--precision", z.precision,
                        *[f"--extra={e}" for e in extra]])
     cfg = load_config(None, overrides(size, args))
-    return cfg, Trainer(build(cfg))
+    return cfg, Trainer.from_config(cfg)
 
 
 # ---- stages: each returns {"ok", "summary", ...figures} ---------------------------------------------------
@@ -296,7 +295,8 @@ def stage_resume(z: Sizes) -> dict:
 
 
 def stage_estimate_tune(z: Sizes) -> dict:
-    from shardlm.estimate import estimate, measure_step_peak
+    from shardlm.estimate import estimate
+    from shardlm.metrics import measure_step_peak
 
     cfg, trainer = build_trainer(z.estimate, "gpt2", z)
     trainer.train_step()  # the optimizer state exists from here on

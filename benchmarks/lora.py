@@ -18,7 +18,7 @@ Each side runs in its own process. tokens/s is tokens per step / the MEDIAN step
 same with the fastest step (noise only adds time, so this is the quiet-machine figure); the step peak is measured
 on one extra step after them (not timed): on CPU the bytes resident before the step (parameters, buffers,
 optimizer state) plus the growth of peak RSS during it, with large blocks mmapped so that freed memory is
-returned (shardlm.estimate.StepPeak, used for both frameworks); on CUDA max_memory_allocated. The last line
+returned (shardlm.metrics.StepPeak, used for both frameworks); on CUDA max_memory_allocated. The last line
 of output is one JSON object with, per mode, every side, `lora_vs_full_peak` (LoRA step peak / full
 fine-tuning's), `speedup_vs_hf_peft` (shardlm LoRA tokens/s / HF's) and `memory_vs_hf_peft` (shardlm LoRA
 peak / HF's). HF's model keeps its config's `gelu_new`; shardlm computes the same tanh-GELU as one fused op.
@@ -66,13 +66,12 @@ def overrides(args, base: str, r: int) -> list[str]:
 
 
 def run_shardlm(args, r: int) -> dict:
-    from shardlm.build import build
     from shardlm.config import load_config
-    from shardlm.estimate import measure_step_peak
     from shardlm.lora import count
+    from shardlm.metrics import measure_step_peak
     from shardlm.trainer import Trainer
 
-    trainer = Trainer(build(load_config(None, overrides(args, args.base, r))))
+    trainer = Trainer.from_config(load_config(None, overrides(args, args.base, r)))
     times, loss = [], None
     tokens = trainer.global_batch * trainer.seq_len
     for _ in range(args.steps):
@@ -96,7 +95,7 @@ def run_hf_peft(args) -> dict:
     from shardlm.config import load_config
     from shardlm.data import GlobalSampler, prepare_data
     from shardlm.dist import Dist, LaunchInfo
-    from shardlm.estimate import StepPeak
+    from shardlm.metrics import StepPeak
     from shardlm.tokenizer import model_tokenizer
     from vs_hf_trainer import HFBlocks  # benchmarks/ is on sys.path: this script's folder
 
@@ -117,7 +116,7 @@ def run_hf_peft(args) -> dict:
     peak: dict[str, float] = {}
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, targs, state, control, **kw):
+        def on_step_begin(self, _targs, state, _control, **kw):
             if state.global_step == args.steps:  # the extra, untimed step: memory
                 self.meter = StepPeak(kw["model"], kw["optimizer"], device)
                 self.meter.start()
@@ -125,7 +124,7 @@ def run_hf_peft(args) -> dict:
                 torch.cuda.synchronize()
             self.began = time.perf_counter()
 
-        def on_step_end(self, targs, state, control, **kw):
+        def on_step_end(self, _targs, state, _control, **_kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             if state.global_step == args.steps + 1:

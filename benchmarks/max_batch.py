@@ -11,11 +11,10 @@ as not fitting. On CPU it is measured the same way for both sides: large blocks 
 kernel's peak-RSS counter is reset before the step, and its growth is added to the bytes resident before
 the step (parameters + optimizer state). Each trial runs in a fresh process.
 
-Search, from `--start` (s) up to `--max-batch`: once two batches fit, the next trial is where the straight
-line through their peaks meets the budget (peak memory grows linearly with the batch): s, 2s, the line's answer
-and one more
-settle it when memory is linear, instead of ~2 log2(max) trials. Doubling, then bisection, where there is
-no line yet or a batch that did not fit contradicts it.
+Search (shardlm.tune.largest_fit), from `--start` (s) up to `--max-batch`: once two batches fit, the next
+trial is where the straight line through their peaks meets the budget (peak memory grows linearly with the
+batch): s, 2s, the line's answer and one more settle it when memory is linear, instead of ~2 log2(max) trials.
+Doubling, then bisection, where there is no line yet or a batch that did not fit contradicts it.
 """
 
 from __future__ import annotations
@@ -40,15 +39,14 @@ def model_dims(args) -> dict:
 
 
 def trial_shardlm(args) -> int:
-    from shardlm.build import build
     from shardlm.config import load_config
-    from shardlm.estimate import measure_step_peak
+    from shardlm.metrics import measure_step_peak
     from shardlm.trainer import Trainer
     from vs_hf_trainer import shardlm_overrides
 
     s = {"model": model_dims(args), "seq": args.seq, "batch": args.batch, "precision": args.precision, "steps": 2}
     extra = ["parallel.compile=false"] + (["parallel.activation_checkpointing=true"] if args.ac else [])
-    trainer = Trainer(build(load_config(None, shardlm_overrides(s, args.data, extra))))
+    trainer = Trainer.from_config(load_config(None, shardlm_overrides(s, args.data, extra)))
     trainer.train_step()
     return measure_step_peak(trainer)
 
@@ -57,7 +55,7 @@ def trial_hf(args) -> int:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from shardlm.estimate import StepPeak
+    from shardlm.metrics import StepPeak
 
     torch.manual_seed(0)
     config = GPT2Config(n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
@@ -71,12 +69,12 @@ def trial_hf(args) -> int:
     peak = {}
 
     class Measure(TrainerCallback):
-        def on_step_begin(self, targs, state, control, **kw):
+        def on_step_begin(self, _targs, state, _control, **kw):
             if state.global_step == 1:  # the second step: AdamW state exists
                 peak["meter"] = StepPeak(model, kw["optimizer"], device)
                 peak["meter"].start()
 
-        def on_step_end(self, targs, state, control, **kw):
+        def on_step_end(self, _targs, state, _control, **_kw):
             if state.global_step == 2:
                 peak["bytes"] = peak["meter"].stop()
 
@@ -109,27 +107,12 @@ def fits(side: str, batch: int, args) -> tuple[bool, float]:
     return peak <= args.budget_gb, peak
 
 
-def next_batch(trials: dict[int, tuple[bool, float]], lo: int, hi: int, max_batch: int, budget: float) -> int:
-    """The next batch to try, strictly between lo (the largest that fits) and hi (the smallest that does not):
-    where the line through the peaks of the two largest fits meets the budget (lo + 1 if that is lo, to
-    confirm); doubling or bisection while there is no line yet or a batch that did not fit contradicts it."""
-    fitted, guess = sorted(b for b, (ok, _) in trials.items() if ok), None
-    if len(fitted) >= 2:
-        (b1, p1), (b2, p2) = ((b, trials[b][1]) for b in fitted[-2:])
-        guess = b2 + math.floor((budget - p2) * (b2 - b1) / (p2 - p1)) if p2 > p1 else None
-    if guess is None or (guess >= hi and hi <= max_batch):
-        guess = 2 * lo if hi > max_batch else (lo + hi) // 2
-    return max(lo + 1, min(hi - 1, guess))
-
-
 def search(side: str, args) -> dict:
-    """Largest batch <= args.max_batch that fits (0: not even 1), with the peak of every trial."""
-    trials: dict[int, tuple[bool, float]] = {}
-    lo, hi, batch = 0, args.max_batch + 1, max(1, min(args.start, args.max_batch))
-    while hi - lo > 1:
-        trials[batch] = fits(side, batch, args)
-        lo, hi = (batch, hi) if trials[batch][0] else (lo, batch)
-        batch = next_batch(trials, lo, hi, args.max_batch, args.budget_gb)
+    """Largest batch <= args.max_batch that fits (0: not even 1), with the peak of every trial
+    (shardlm.tune.largest_fit: doubling, then the line through the peaks, then bisection)."""
+    from shardlm.tune import largest_fit
+
+    lo, trials = largest_fit(lambda batch: fits(side, batch, args), args.max_batch, args.start, args.budget_gb)
     return {"max_batch": lo, "capped": lo == args.max_batch, "trials": len(trials),
             "peak_gb_by_batch": {str(k): round(v, 3) if math.isfinite(v) else None  # None: out of memory
                                  for k, (_, v) in sorted(trials.items())}}
@@ -149,7 +132,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--start", type=int, default=1, help="the first trial's batch (then twice it, then the line)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on both sides")
-    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
+    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"),
+                   help="training text (default: ../shared/data/wikitext-2/train.txt where it exists, else the "
+                        "bundled Tiny Shakespeare: shakespeare)")
     return p.parse_args(argv)
 
 

@@ -57,12 +57,11 @@ def overrides(size: str, args) -> list[str]:
 def measure(size: str, args) -> dict:
     import torch
 
-    from shardlm.build import build
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
 
     on_gpu = torch.cuda.is_available()
-    trainer = Trainer(build(load_config(None, overrides(size, args))))
+    trainer = Trainer.from_config(load_config(None, overrides(size, args)))
     for _ in range(args.warmup):
         trainer.train_step()
     if on_gpu:

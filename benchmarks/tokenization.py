@@ -143,7 +143,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=32.0, help="corpus size in MB (default 32)")
     p.add_argument("--scale", type=int, default=10, help="shardlm also runs on the corpus times this (RSS flat)")
-    p.add_argument("--text", type=Path, default=WIKITEXT, help="text repeated into the corpus")
+    p.add_argument("--text", type=Path, default=WIKITEXT,
+                   help="text repeated into the corpus (default: ../shared/data/wikitext-2/train.txt)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     p.add_argument("--hf-scale", action="store_true", help="also run the HF flow on the --scale x corpus")
     p.add_argument("--only-main", action="store_true", help="skip the 1-thread, tokenizers-only and naive runs")
@@ -154,6 +155,9 @@ def main() -> None:
         return hf_worker(args.hf_worker[0], args.hf_worker[1], int(args.hf_worker[2]))
     if args.whole_document:
         return whole_document(args.whole_document)
+    if not args.text.is_file():
+        raise SystemExit(f"corpus '{args.text}' not found: pass --text PATH (any UTF-8 text, e.g. WikiText-2's "
+                         "train.txt or shardlm/assets/tinyshakespeare/input.txt)")
     cores = os.cpu_count() or 1
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     os.environ.update(env)

@@ -5,6 +5,8 @@
     python benchmarks/vs_hf_trainer.py --nproc 2            # both sides on 2 ranks (HF: its accelerate path)
     python benchmarks/vs_hf_trainer.py --gpu --batch 16 --hf-compile --extra parallel.compile=model  # both compiled
 `--model L,H,C`, `--seq`, `--precision`, `--warmup` and `--tokenizer` override the defaults of either mode.
+`--data` is WikiText-2's train split at ../shared/data/wikitext-2/train.txt where it exists, else the bundled
+Tiny Shakespeare; the JSON names it.
 
 Each side runs in its own process (tree), so peak RSS / peak CUDA memory are its own. The last line of
 output is one JSON object with both sides' tokens/s, peak memory and final loss, `speedup` (shardlm
@@ -58,11 +60,10 @@ def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
 
 
 def run_shardlm(s: dict, data: str, extra: list[str]) -> dict:
-    from shardlm.build import build
     from shardlm.config import load_config
     from shardlm.trainer import Trainer
 
-    trainer = Trainer(build(load_config(None, shardlm_overrides(s, data, extra))))
+    trainer = Trainer.from_config(load_config(None, shardlm_overrides(s, data, extra)))
     times, loss = [], None
     tokens = trainer.global_batch * trainer.seq_len
     for _ in range(s["steps"]):
@@ -119,12 +120,12 @@ def run_hf(s: dict, data: str) -> dict:
     times: list[float] = []
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, *a, **k):
+        def on_step_begin(self, *_args, **_kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.began = time.perf_counter()
 
-        def on_step_end(self, *a, **k):
+        def on_step_end(self, *_args, **_kw):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.began)
@@ -181,7 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="gpt2", help="gpt2 (the GPT-2 BPE) or bytes (tiny vocabulary, for tests)")
     p.add_argument("--hf-compile", action="store_true", help="HF Trainer with torch_compile=True")
     p.add_argument("--vocab-multiple", type=int, default=1, help="both sides: vocabulary padded to this multiple")
-    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"))
+    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"),
+                   help="training text (default: ../shared/data/wikitext-2/train.txt where it exists, else the "
+                        "bundled Tiny Shakespeare: shakespeare)")
     p.add_argument("--extra", action="append", default=[], help="extra shardlm override, e.g. parallel.compile=model")
     return p.parse_args(argv)
 
@@ -204,6 +207,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "vs_hf_trainer", "date": datetime.date.today().isoformat(), "device": device,
         "torch": torch.__version__, "command": " ".join(["python", *sys.argv]), "settings": s, "nproc": args.nproc,
+        "data": args.data,
         "shardlm": ours, "hf_trainer": theirs,
         "speedup": ours["tokens_per_s"] / theirs["tokens_per_s"],
         "memory_ratio": theirs["peak_memory_gb"] / ours["peak_memory_gb"],

@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,14 +21,17 @@ from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model,
 from shardlm.parallel import Plan, parallelize, plan
 from shardlm.tokenizer import model_tokenizer
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 
 @dataclass
 class Run:
     cfg: Config
     dist: Dist
     plan: Plan
-    tokenizer: object
-    hf_config: object
+    tokenizer: PreTrainedTokenizerBase
+    hf_config: PretrainedConfig
     model: CausalLM
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -62,7 +66,7 @@ def init_dist(cfg: Config) -> tuple[Dist, Plan]:
     return d, pl
 
 
-def materialize(model: CausalLM, cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> None:
+def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
     """Sharded model on meta -> allocate this rank's shards -> rank 0's weights broadcast into them.
 
     Random init must happen on one rank: DTensor random ops on a CPU mesh draw the same values on
@@ -95,16 +99,18 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
         hf = empty_model(hf_cfg, "meta")
         model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg) else hf, chunk)
         parallelize(model, cfg, pl, dist)
-        materialize(model, cfg, hf_cfg, pl, dist)
+        materialize(model, cfg, hf_cfg, dist)
     else:
         model = CausalLM(_initial_hf(cfg, hf_cfg), chunk).to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model
 
 
-def build_optimizer(model: nn.Module, cfg: Config, device: torch.device, total_steps: int):
+def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
     t = cfg.train
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for p in model.parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
@@ -147,5 +153,5 @@ def build(cfg: Config) -> Run:
     total = count_steps(cfg, train, d.world_size)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, hf_cfg, pl, d)
-    optimizer, scheduler = build_optimizer(model, cfg, d.device, total)
+    optimizer, scheduler = build_optimizer(model, cfg, total)
     return Run(cfg, d, pl, tokenizer, hf_cfg, model, optimizer, scheduler, train, val, total, out)

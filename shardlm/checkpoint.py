@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,9 +45,6 @@ from shardlm import ShardlmError, __version__, lora
 from shardlm.config import save_config
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-    from transformers import PreTrainedTokenizerBase as Tokenizer
-
     from shardlm.build import Run
 
 # One process without a process group saves and loads through the same DCP path; DCP warns about it.
@@ -116,17 +113,44 @@ def arch_of(hf_config) -> dict:
     return {k: d[k] for k in ARCH_KEYS if k in d}
 
 
+# Wrappers that add a level to parameter names but not to state-dict keys (activation checkpointing, compile).
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def tied_keys(model: torch.nn.Module) -> dict[str, str]:
+    """State-dict key of each tied parameter's other names -> the key it is stored under (GPT-2's
+    `hf.lm_head.weight` -> `hf.transformer.wte.weight`): one tensor, stored once."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        for prefix in WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
 class ModelState:
-    """The model's weights as DCP-sharded tensors; of a LoRA run (`adapters_only`) the adapter weights alone."""
+    """The model's weights as DCP-sharded tensors; of a LoRA run (`adapters_only`) the adapter weights alone.
+
+    A tied tensor (the input embedding that is also the head) is saved once; loading gives it to every name
+    that shares it, so the tie holds. Checkpoints written with both names still load (DCP reads the keys asked
+    for and ignores the rest)."""
 
     def __init__(self, model: torch.nn.Module, adapters_only: bool = False):
         self.model, self.adapters_only = model, adapters_only
+        self.tied = tied_keys(model)
 
     def state_dict(self) -> dict[str, Any]:
         weights = get_model_state_dict(self.model)
-        return lora.adapter_state(weights) if self.adapters_only else weights
+        if self.adapters_only:
+            return lora.adapter_state(weights)
+        return {k: v for k, v in weights.items() if k not in self.tied or self.tied[k] not in weights}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = {**{alias: state[key] for alias, key in self.tied.items() if key in state}, **state}
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
 
 
@@ -295,9 +319,8 @@ class Checkpointer:
         state = {**host.pop("train_state", {}), **host, "world_size": self.dist.world_size}
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         save_config(self.run.cfg, tmp / "config.yaml")
-        hf_config, tokenizer = cast("PretrainedConfig", self.run.hf_config), cast("Tokenizer", self.run.tokenizer)
-        (tmp / "hf_config.json").write_text(hf_config.to_json_string())
-        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / "hf_config.json").write_text(self.run.hf_config.to_json_string())
+        self.run.tokenizer.save_pretrained(str(tmp / "tokenizer"))
 
     def write_manifest(self, tmp: Path, step: int, began: float) -> None:
         """Rank 0, once every shard is on disk: the manifest makes the folder a complete checkpoint (after

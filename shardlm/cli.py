@@ -13,7 +13,8 @@ from shardlm import ShardlmError, __version__
 
 
 def _split_config(rest: list[str]) -> tuple[list[str], list[str]]:
-    """Arguments with `=` are overrides, the others config files (later ones win); each keeps its order."""
+    """Arguments with `=` are overrides, the others configs (later ones win; config.config_path resolves a
+    file or a bundled name); each keeps its order."""
     return [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
 
 
@@ -78,6 +79,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_configs(_args: argparse.Namespace) -> int:
+    from shardlm.config import BUNDLED_CONFIGS, bundled_configs, config_summary
+
+    bundled = bundled_configs()
+    width = max(map(len, bundled), default=0)
+    for name, path in bundled.items():
+        print(f"{name:<{width}}  {config_summary(path)}")
+    print(f"(in {BUNDLED_CONFIGS}: shardlm train NAME runs one; copy a file to edit it)", file=sys.stderr)
+    return 0
+
+
 def cmd_plot(args: argparse.Namespace) -> int:
     from shardlm.plot import plot_runs
 
@@ -121,9 +133,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 REFERENCE = "config keys: the README's 'Config reference' (python -m shardlm.docs prints it)"
 TRAIN_EXAMPLES = """examples:
   shardlm train                                      the defaults: a byte-level GPT on Tiny Shakespeare
-  shardlm train configs/gpt2_wikitext2.yaml --nproc 4
-  shardlm train configs/shakespeare_tiny.yaml train.max_steps=100 out_dir=runs/short
-  shardlm train CONFIG.yaml --dry-run                check config, data, model and plan; train nothing
+  shardlm train gpt2_wikitext2 --nproc 4             a bundled config by name (shardlm configs lists them)
+  shardlm train my.yaml train.max_steps=100 out_dir=runs/short   a config file and overrides
+  shardlm train CONFIG --dry-run                     check config, data, model and plan; train nothing
 options, config files and key=value overrides mix in any order; later files and overrides win.
 """
 
@@ -142,10 +154,11 @@ def parser() -> argparse.ArgumentParser:
         return sp
 
     def config_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("rest", nargs="*", metavar="CONFIG.yaml | key=value",
-                        help=f"config files (later win) and dotted overrides such as train.lr=1e-3; {REFERENCE}")
+        sp.add_argument("rest", nargs="*", metavar="CONFIG | key=value",
+                        help="config files or bundled config names (later win; shardlm configs lists them) and "
+                             f"dotted overrides such as train.lr=1e-3; {REFERENCE}")
 
-    t = add("train", cmd_train, "train or fine-tune: shardlm train [CONFIG.yaml ...] [key=value ...]", TRAIN_EXAMPLES)
+    t = add("train", cmd_train, "train or fine-tune: shardlm train [CONFIG ...] [key=value ...]", TRAIN_EXAMPLES)
     t.add_argument("--nproc", type=int, default=0, help="launch N processes on this node with torchrun")
     t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts on failure")
     t.add_argument("--dry-run", action="store_true",
@@ -213,24 +226,28 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--private", action="store_true", help="with --push-to-hub: create the repo private")
 
     pr = add("prepare", cmd_prepare, "build the token caches of data.train and data.val, then exit",
-             "examples:\n  shardlm prepare configs/gpt2_wikitext2.yaml     on a login node, before the GPU job\n"
+             "examples:\n  shardlm prepare gpt2_wikitext2                   on a login node, before the GPU job\n"
              "  shardlm prepare data.train=corpus.parquet model.tokenizer=gpt2\n"
              "prints documents, tokens, MB/s and the cache folder of each; every core tokenizes.\n")
     config_args(pr)
 
-    es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG.yaml] [key=value]")
+    es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG] [key=value]")
     es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
                     help="comma-separated world sizes to estimate for (default 1,2,4,8)")
     config_args(es)
 
     tu = add("tune", cmd_tune, "the fastest micro-batch x grad_accum and FSDP setting at your global batch",
-             "example:\n  shardlm tune configs/shakespeare_tiny.yaml --budget-gb 4\n"
-             "  shardlm train configs/shakespeare_tiny.yaml runs/shakespeare/tuned.yaml\n")
+             "example:\n  shardlm tune shakespeare_tiny --budget-gb 4\n"
+             "  shardlm train shakespeare_tiny runs/shakespeare/tuned.yaml\n")
     tu.add_argument("--budget-gb", type=float, default=None, help="memory budget per rank (required on CPU)")
     tu.add_argument("--steps", type=int, default=3, help="timed steps per feasible point")
     tu.add_argument("--max-batch", type=int, default=256, help="largest micro-batch tried")
     tu.add_argument("--out", default=None, help="YAML file for the best setting (default OUT_DIR/tuned.yaml)")
     config_args(tu)
+
+    add("configs", cmd_configs, "list the bundled configs, one line each: shardlm train NAME runs one",
+        "example:\n  shardlm configs\n  shardlm train shakespeare_tiny train.max_steps=100\n"
+        "the folder they are in is printed last (on stderr): copy a file from it to edit it.\n")
 
     pl = add("plot", cmd_plot, "plot metrics of one or more run dirs to PNG files",
              "example:\n  shardlm plot runs/demo runs/short   # PNGs in runs/demo/plots/\n")

@@ -12,15 +12,14 @@ base (what autograd keeps differs: frozen weights need no inputs saved for their
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from shardlm import lora
 from shardlm.config import Config
-from shardlm.model import auto_loss_chunk, empty_model, model_config, transformer_blocks
-from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled
+from shardlm.model import auto_loss_chunk, empty_model, model_config, num_params, transformer_blocks
+from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 
 GB = 2**30
 
@@ -77,15 +76,12 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     meta = _meta_model(cfg, hf_cfg)
     blocks = transformer_blocks(meta)
     trainable, total = lora.count(meta)
-    per_block = sum(p.numel() for p in blocks[0].parameters())
-    per_block_trainable = sum(p.numel() for p in blocks[0].parameters() if p.requires_grad)
+    per_block, per_block_trainable = num_params(blocks[0]), num_params(blocks[0], trainable_only=True)
     root = total - per_block * len(blocks)
     p = cfg.parallel
     use_fsdp = fsdp_enabled(cfg, world_size)
-    hybrid, reshard = STRATEGIES[p.sharding]
-    shard = (1 if p.sharding == "no_shard" else p.shard_size or local_world_size or world_size) if hybrid \
-        else world_size
-    shard = shard if use_fsdp else 1
+    reshard = STRATEGIES[p.sharding][1]
+    shard = mesh_shape(cfg, world_size, local_world_size or world_size)[-1] if use_fsdp else 1  # ranks per copy
     compute = DTYPES[p.precision]
     csize = torch.finfo(compute).bits // 8
     B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
@@ -144,76 +140,3 @@ def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
 
 def _chunk_name(chunk: int | None) -> str:
     return "auto" if chunk is None else str(chunk or "off")
-
-
-def round_up(x: float, to: int) -> int:
-    return int(math.ceil(x / to) * to)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes held between steps on this rank: parameter shards, buffers and optimizer state."""
-    storages: dict[int, int] = {}
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        local = _local(t)
-        if local.device.type != "meta":
-            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"{field} not in /proc/self/status")
-
-
-class StepPeak:
-    """Peak bytes allocated on this rank between `start()` and `stop()` (one training step).
-
-    On CUDA: torch.cuda.max_memory_allocated. On CPU (Linux), no allocator keeps statistics, so: make glibc
-    serve every large block with mmap (freed memory goes straight back to the OS), reset the kernel's
-    peak-RSS counter, and add the peak RSS growth to what was resident (parameters, buffers, optimizer
-    state) before the step.
-    """
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
-        self.model, self.optimizer, self.device = model, optimizer, device
-        self.base = self.rss_before = 0
-
-    def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        import ctypes
-        import gc
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped (and unmapped on free)
-        gc.collect()
-        libc.malloc_trim(0)
-        self.base = resident_bytes(self.model, self.optimizer)
-        self.rss_before = _status_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-
-    def stop(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        return self.base + (_status_kb("VmHWM") - self.rss_before) * 1024
-
-
-def measure_step_peak(trainer) -> int:
-    """Peak bytes allocated on this rank during one training step (see `StepPeak`)."""
-    peak = StepPeak(trainer.model, trainer.run.optimizer, trainer.device)
-    peak.start()
-    trainer.train_step()
-    return peak.stop()

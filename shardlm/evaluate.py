@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from shardlm.data import TokenBlocks
 from shardlm.genquality import FEW_FOR_MAUVE, MODULES, generation_quality, held_out_prompts, require
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
-from shardlm.metrics import fmt_time
+from shardlm.metrics import eval_summary, fmt_time
 from shardlm.model import auto_loss_chunk, context_length
 
 
@@ -114,10 +113,7 @@ def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk:
 
 
 def _summary(total: np.ndarray) -> dict:
-    if total[2] == 0:
-        raise ShardlmError("nothing to evaluate: the validation data is shorter than one block.")
-    loss = total[0] / total[2]
-    return {"loss": loss, "ppl": math.exp(min(loss, 700)), "accuracy": total[1] / total[2], "tokens": int(total[2])}
+    return eval_summary(*total.tolist())
 
 
 @dataclass

@@ -106,7 +106,10 @@ def load_checkpoint_model(ckpt: Path) -> nn.Module:
 
 
 def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code: bool = False):
-    """(hf_model in eval mode, tokenizer, training Config or None for an HF folder, checkpoint dir or None)."""
+    """(hf_model in eval mode, tokenizer, training Config or None for an HF folder, checkpoint dir or None).
+
+    Code shipped with a model runs only when allowed: by `trust_remote_code` or, for a checkpoint, by the run's
+    own `model.trust_remote_code`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path).expanduser()
@@ -123,12 +126,13 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
     else:
         ckpt = resolve_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
         cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+        trust_remote_code = trust_remote_code or cfg.model.trust_remote_code
         if manifest_of(ckpt).get("lora"):
             model = load_lora_checkpoint(ckpt, cfg).merge_and_unload()
             cfg = dataclasses.replace(cfg, lora=LoraConfig())  # what is returned is a plain (merged) model
         else:
             model = load_checkpoint_model(ckpt)
-        tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"))
+        tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"), trust_remote_code=trust_remote_code)
     model.config.use_cache = True
     fill_meta_buffers(model)
     return model.to(device).eval(), tokenizer, cfg, ckpt

@@ -138,15 +138,10 @@ def adapter_state(state: dict) -> dict:
 
 
 def count(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters, each shared tensor once (full sizes also for DTensor shards)."""
-    seen, trainable, total = set(), 0, 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    return trainable, total
+    """(trainable, total) parameters, each shared tensor once (shardlm.model.num_params)."""
+    from shardlm.model import num_params
+
+    return num_params(model, trainable_only=True), num_params(model)
 
 
 def inference_state(state: dict, model: nn.Module) -> dict:

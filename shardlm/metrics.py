@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from shardlm import ShardlmError
+
 # Dense (no sparsity) bf16 peak FLOP/s per GPU from NVIDIA's datasheets; fp16 for T4/V100, which have no
 # bf16. Matched in order by substring of torch.cuda.get_device_name(), so specific names come first.
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
@@ -27,6 +29,16 @@ def peak_flops(device: torch.device) -> float | None:
 def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
     """nanoGPT/PaLM estimate: 6N for the matmuls, 12*L*H*Q*T (= 12*L*C*T) for attention."""
     return 6 * n_params + 12 * n_layer * n_embd * seq_len
+
+
+def eval_summary(loss_sum: float, correct: float, tokens: float) -> dict[str, float]:
+    """Loss per token, perplexity, accuracy and the token count from sums over the scored tokens: the one summary
+    of both evaluations (Trainer.evaluate during training, `shardlm eval` in shardlm.evaluate)."""
+    if tokens == 0:
+        raise ShardlmError("nothing to evaluate: the validation data is shorter than one block.")
+    loss = float(loss_sum) / float(tokens)
+    return {"loss": loss, "ppl": math.exp(min(loss, 700)), "accuracy": float(correct) / float(tokens),
+            "tokens": int(tokens)}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -206,3 +218,74 @@ class StepTimer:
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
         return elapsed
+
+
+# ---- memory: the peak of one training step (shardlm tune, the estimate's tests, the benchmarks) -------------
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held between steps on this rank: parameter shards, buffers and optimizer state."""
+    storages: dict[int, int] = {}
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        local = _local(t)
+        if local.device.type != "meta":
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+class StepPeak:
+    """Peak bytes allocated on this rank between `start()` and `stop()` (one training step).
+
+    On CUDA: torch.cuda.max_memory_allocated. On CPU (Linux), no allocator keeps statistics, so: make glibc
+    serve every large block with mmap (freed memory goes straight back to the OS), reset the kernel's
+    peak-RSS counter, and add the peak RSS growth to what was resident (parameters, buffers, optimizer
+    state) before the step.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.base = self.rss_before = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        import ctypes
+        import gc
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mmapped (and unmapped on free)
+        gc.collect()
+        libc.malloc_trim(0)
+        self.base = resident_bytes(self.model, self.optimizer)
+        self.rss_before = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+
+    def stop(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return self.base + (_status_kb("VmHWM") - self.rss_before) * 1024
+
+
+def measure_step_peak(trainer) -> int:
+    """Peak bytes allocated on this rank during one training step (see `StepPeak`)."""
+    peak = StepPeak(trainer.model, trainer.run.optimizer, trainer.device)
+    peak.start()
+    trainer.train_step()
+    return peak.stop()

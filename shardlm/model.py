@@ -269,10 +269,12 @@ def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
         raise ShardlmError(f"cannot load weights of '{cfg.model.name}': {str(e).splitlines()[0][:200]}") from None
 
 
-def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+def num_params(model: nn.Module, exclude_embeddings: bool = False, trainable_only: bool = False) -> int:
+    """Parameters, each shared (tied) tensor once; full sizes also for DTensor shards."""
     seen, total = set(), 0
     for name, p in model.named_parameters():
-        if id(p) in seen or (exclude_embeddings and name.endswith("wpe.weight")):
+        if id(p) in seen or (exclude_embeddings and name.endswith("wpe.weight")) or \
+                (trainable_only and not p.requires_grad):
             continue
         seen.add(id(p))
         total += p.numel()

@@ -59,21 +59,26 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
         raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
                            "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
-    hybrid, reshard = STRATEGIES[p.sharding]
+    return Plan(use_fsdp=use_fsdp, mesh_shape=mesh_shape(cfg, world_size, local_world_size),
+                reshard_after_forward=STRATEGIES[p.sharding][1], dtype=DTYPES[p.precision], compile=compile_)
+
+
+def mesh_shape(cfg: Config, world_size: int, local_world_size: int) -> tuple[int, ...]:
+    """(ranks,) for full/grad_op; (replicas, shard) for the hybrid strategies and no_shard (shard 1).
+    The last dimension is how many ranks share one copy of the parameters."""
+    p = cfg.parallel
+    hybrid, _ = STRATEGIES[p.sharding]
     if p.sharding == "no_shard":
-        shape: tuple[int, ...] = (world_size, 1)
-    elif hybrid:
-        shard = p.shard_size or local_world_size
-        if shard > world_size or world_size % shard:
-            raise ShardlmError(
-                f"parallel.sharding={p.sharding} needs parallel.shard_size to divide the world size: "
-                f"{shard} does not divide {world_size} ranks. Set parallel.shard_size to a divisor of "
-                f"{world_size} (ranks per node is the usual choice).")
-        shape = (world_size // shard, shard)
-    else:
-        shape = (world_size,)
-    return Plan(use_fsdp=use_fsdp, mesh_shape=shape,
-                reshard_after_forward=reshard, dtype=DTYPES[p.precision], compile=compile_)
+        return (world_size, 1)
+    if not hybrid:
+        return (world_size,)
+    shard = p.shard_size or local_world_size
+    if shard > world_size or world_size % shard:
+        raise ShardlmError(
+            f"parallel.sharding={p.sharding} needs parallel.shard_size to divide the world size: "
+            f"{shard} does not divide {world_size} ranks. Set parallel.shard_size to a divisor of "
+            f"{world_size} (ranks per node is the usual choice).")
+    return (world_size // shard, shard)
 
 
 def fsdp_enabled(cfg: Config, world_size: int) -> bool:

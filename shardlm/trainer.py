@@ -26,7 +26,7 @@ from shardlm.config import Config
 from shardlm.data import GlobalSampler, TokenBlocks, eval_shares, micro_batch_position
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.fp8 import after_optimizer_step
-from shardlm.metrics import peak_flops
+from shardlm.metrics import eval_summary, peak_flops
 from shardlm.model import num_params
 from shardlm.parallel import set_gradient_sync
 
@@ -43,6 +43,8 @@ class StepResult(TypedDict):
 class Trainer:
     """`checkpoint=True` gives the trainer a Checkpointer over its stateful parts (`train()` does this);
     `callbacks` are shardlm.callbacks objects; `prefetch` loads batches in the background (default: on CUDA)."""
+
+    report: reporting.Reporter  # the running `fit`'s reporter (callbacks write their own records through it)
 
     def __init__(self, run: Run, *, checkpoint: bool = False, callbacks: Iterable[object] = (),
                  prefetch: bool | None = None):
@@ -215,15 +217,13 @@ class Trainer:
                                  torch.tensor(float(valid.sum() * self.seq_len), device=self.device,
                                               dtype=torch.float64)])
         self.dist.all_reduce_sum(sums)
-        loss = (sums[0] / sums[2]).item()
-        return {"loss": loss, "ppl": math.exp(min(loss, 700)), "accuracy": (sums[1] / sums[2]).item(),
-                "tokens": int(sums[2].item())}
+        return eval_summary(*sums.tolist())
 
     # ---- the run -------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """step -> maybe log -> maybe evaluate -> maybe save; the final evaluation unless stopped by a signal."""
         t, total, ck = self.cfg.train, self.run.total_steps, self.checkpointer
-        report = reporting.Reporter(self.run, self.step, ck.cfg.every if ck else 0)
+        report = self.report = reporting.Reporter(self.run, self.step, ck.cfg.every if ck else 0)
         self.callbacks.on_train_begin(self)
         with ck.catch_signals() if ck else contextlib.nullcontext():
             while self.step < total and not self.stop_requested:

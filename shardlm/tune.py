@@ -9,18 +9,19 @@ batch B = batch_size x grad_accum stays; tune only splits it: micro-batch b = th
 grad_accum = B / b. The search never goes above B (nor above --max-batch); a search that reaches that cap is
 marked "(cap)": it fits at least that micro-batch, and perhaps a larger one.
 
-Batch search: doubling, then bisection, one micro-batch per step. A batch fits when a training step runs without
-running out of memory and its peak (torch.cuda.max_memory_allocated on GPU, the measured step peak on CPU) is
-within the budget. Tokens/s and peak are then measured at b x grad_accum itself: gradients kept between
-micro-batches (unsharded under FSDP until the last one syncs) can need more memory than a step of one. Trials run
-in this process (under torchrun: on every rank, in lockstep, agreeing on the outcome); memory is freed between
-them.
+Batch search (`largest_fit`, shared with benchmarks/max_batch.py): doubling, then bisection, one micro-batch per
+trial. A batch fits when a training step runs without running out of memory and its peak
+(torch.cuda.max_memory_allocated on GPU, the measured step peak on CPU) is within the budget. Tokens/s and peak are
+then measured at b x grad_accum itself: gradients kept between micro-batches (unsharded under FSDP until the last
+one syncs) can need more memory than a step of one. Trials run in this process (under torchrun: on every rank, in
+lockstep, agreeing on the outcome); memory is freed between them.
 """
 
 from __future__ import annotations
 
 import gc
 import itertools
+import math
 import tempfile
 import time
 from collections.abc import Callable
@@ -90,13 +91,12 @@ def _free() -> None:
 
 def run_trial(cfg: Config, steps: int, budget: float | None) -> tuple[bool, float, float]:
     """(fits, peak GiB, tokens/s) for one config; out-of-memory counts as not fitting."""
-    from shardlm.build import build
-    from shardlm.estimate import measure_step_peak
+    from shardlm.metrics import measure_step_peak
     from shardlm.trainer import Trainer
 
     trainer = None
     try:
-        trainer = Trainer(build(cfg))
+        trainer = Trainer.from_config(cfg)
         trainer.train_step()
         peak = measure_step_peak(trainer)
         began = time.perf_counter()
@@ -119,18 +119,37 @@ def run_trial(cfg: Config, steps: int, budget: float | None) -> tuple[bool, floa
     return bool(flag.item()), result[1], result[2]
 
 
-def largest_fit(fits: Callable[[int], bool], cap: int) -> int:
-    """The largest batch <= cap for which `fits` holds (0 if not even 1): doubling, then bisection."""
-    lo, hi, batch = 0, cap + 1, 1
-    while batch <= cap:
-        if not fits(batch):
-            hi = batch
-            break
-        lo, batch = batch, (cap + 1 if batch == cap else min(2 * batch, cap))
+Trials = dict[int, tuple[bool, float]]  # batch -> (fits, peak)
+
+
+def largest_fit(trial: Callable[[int], tuple[bool, float]], cap: int, start: int = 1,
+                budget: float | None = None) -> tuple[int, Trials]:
+    """The largest batch <= cap that fits (0: not even 1), and every trial's (fits, peak).
+
+    Doubling from `start`, then bisection. With a `budget` (in the unit of the peaks), once two batches fit the
+    next trial is where the straight line through their peaks meets it (peak memory grows linearly with the
+    batch): start, 2 x start, the line's answer and one more settle a linear case (benchmarks/max_batch.py)."""
+    trials: Trials = {}
+    lo, hi, batch = 0, cap + 1, max(1, min(start, cap))
     while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+        trials[batch] = trial(batch)
+        lo, hi = (batch, hi) if trials[batch][0] else (lo, batch)
+        batch = next_batch(trials, lo, hi, cap, budget)
+    return lo, trials
+
+
+def next_batch(trials: Trials, lo: int, hi: int, cap: int, budget: float | None) -> int:
+    """The next batch to try, strictly between lo (the largest that fits) and hi (the smallest that does not):
+    where the line through the peaks of the two largest fits meets the budget (lo + 1 if that is lo, to
+    confirm); doubling or bisection without a budget, while there is no line yet, or where a batch that did not
+    fit contradicts it."""
+    fitted, guess = sorted(b for b, (ok, _) in trials.items() if ok), None
+    if budget is not None and len(fitted) >= 2:
+        (b1, p1), (b2, p2) = ((b, trials[b][1]) for b in fitted[-2:])
+        guess = b2 + math.floor((budget - p2) * (b2 - b1) / (p2 - p1)) if p2 > p1 else None
+    if guess is None or (guess >= hi and hi <= cap):
+        guess = 2 * lo if hi > cap else (lo + hi) // 2
+    return max(lo + 1, min(hi - 1, guess))
 
 
 def divisors_down(n: int, most: int) -> list[int]:
@@ -144,17 +163,17 @@ def search(cfg: Config, setting: dict, budget: float | None, steps: int, max_bat
     point = Point(setting, per_rank_batch=per_rank, cap=min(max_batch, per_rank), world_size=world_size)
     measured: dict[tuple[int, int], tuple[float, float]] = {}
 
-    def fits(batch: int, accum: int = 1) -> bool:
+    def fits(batch: int, accum: int = 1) -> tuple[bool, float]:
         ok, peak, tps = run_trial(_with(cfg, setting, batch, accum), steps, budget)
         accumulated = f" x grad_accum {accum}" if accum > 1 else ""
         log(f"  batch {batch:>4}{accumulated}: {'fits' if ok else 'too big'} (peak {peak:.2f} GiB)")
         if ok:
             measured[batch, accum] = (peak, tps)
-        return ok
+        return ok, peak
 
-    point.max_batch = largest_fit(fits, point.cap)
+    point.max_batch, _ = largest_fit(fits, point.cap)
     for b in divisors_down(per_rank, point.max_batch):
-        if (b, per_rank // b) in measured or fits(b, per_rank // b):
+        if (b, per_rank // b) in measured or fits(b, per_rank // b)[0]:
             point.micro_batch, (point.peak_gb, point.tokens_per_s) = b, measured[b, per_rank // b]
             break
     return point

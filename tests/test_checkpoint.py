@@ -10,10 +10,11 @@ import sys
 import time
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from faults import fault
 
-from conftest import ROOT, records, shardlm_cli, tiny
 from gpu_check import kill_tree
+from helpers import ROOT, records, shardlm_cli, tiny
 from shardlm.checkpoint import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12
@@ -80,6 +81,8 @@ def killed_without_dropout(corpus, cache_dir, tmp_path_factory):
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_resume_on_another_world_size(killed_without_dropout, corpus, cache_dir, tmp_path, nproc):
     reference, killed = killed_without_dropout
+    saved = dcp.FileSystemReader(str(killed / "checkpoints" / "step_000000008")).read_metadata().state_dict_metadata
+    assert "model.hf.transformer.wte.weight" in saved and "model.hf.lm_head.weight" not in saved  # tied: stored once
     shutil.copytree(killed, tmp_path, dirs_exist_ok=True)
     shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path, batch=8 // nproc, **NO_DROPOUT), nproc=nproc if nproc > 1 else 0)
     got = by_step(tmp_path)

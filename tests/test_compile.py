@@ -4,8 +4,7 @@ the whole model (loss included) compiles into one graph with the eager model's l
 import pytest
 import torch
 
-from conftest import fp32_tol, tiny
-from shardlm.build import build
+from helpers import fp32_tol, tiny
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
 
@@ -16,8 +15,8 @@ def test_compiled_blocks_do_not_recompile(corpus, cache_dir, tmp_path):
     counters = torch._dynamo.utils.counters
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"parallel.compile": "blocks", "model.n_layer": 3,
                                                                  "parallel.activation_checkpointing": True}))
-    trainer = Trainer(build(cfg))
-    eager = Trainer(build(load_config(None, tiny(corpus, cache_dir, tmp_path / "eager", **{"model.n_layer": 3}))))
+    trainer = Trainer.from_config(cfg)
+    eager = Trainer.from_config(load_config(None, tiny(corpus, cache_dir, tmp_path / "eager", **{"model.n_layer": 3})))
     losses = []
     for _ in range(2):
         losses.append((trainer.train_step()["loss_sum"].item(), eager.train_step()["loss_sum"].item()))
@@ -37,8 +36,8 @@ def test_whole_model_compiles_to_one_graph_with_eager_losses(corpus, cache_dir, 
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled, eager = (Trainer(build(load_config(None, tiny(corpus, cache_dir, tmp_path / mode, **{
-        "parallel.compile": mode, "train.loss_chunk_size": 16})))) for mode in ("model", "false"))
+    compiled, eager = (Trainer.from_config(load_config(None, tiny(corpus, cache_dir, tmp_path / mode, **{
+        "parallel.compile": mode, "train.loss_chunk_size": 16}))) for mode in ("model", "false"))
     pairs = [(compiled.train_step()["loss_sum"].item(), eager.train_step()["loss_sum"].item()) for _ in range(3)]
     assert all(c == pytest.approx(e, rel=fp32_tol(1e-4)) for c, e in pairs), pairs
     # embeddings, blocks, final norm and the chunked loss in one graph: no breaks, no recompiles (on CUDA the

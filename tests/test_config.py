@@ -130,3 +130,26 @@ def test_fsdp_false_cannot_hold_several_ranks():
     with pytest.raises(ShardlmError, match="parallel.fsdp=false cannot run 2 ranks"):
         plan(load_config(None, ["parallel.fsdp=false"]), 2, 2, torch.device("cpu"))
     assert plan(load_config(None, ["parallel.fsdp=true"]), 1, 1, torch.device("cpu")).use_fsdp
+
+
+def test_a_bundled_config_by_name_and_a_local_file_first(tmp_path, monkeypatch):
+    from shardlm.config import BUNDLED_CONFIGS, config_path
+
+    monkeypatch.chdir(tmp_path)
+    bundled = BUNDLED_CONFIGS / "shakespeare_tiny.yaml"
+    assert config_path("shakespeare_tiny") == config_path("shakespeare_tiny.yaml") == bundled
+    assert load_config("shakespeare_tiny") == load_config(bundled)
+    (tmp_path / "shakespeare_tiny.yaml").write_text("out_dir: runs/mine\n")  # a file of that name wins
+    assert load_config("shakespeare_tiny.yaml").out_dir == "runs/mine"
+
+
+def test_shardlm_configs_lists_each_bundled_config_in_one_line(capsys):
+    from shardlm.cli import main
+    from shardlm.config import bundled_configs
+
+    with pytest.raises(SystemExit) as done:
+        main(["configs"])
+    lines = capsys.readouterr().out.splitlines()
+    assert done.value.code == 0 and [line.split()[0] for line in lines] == list(bundled_configs())
+    first = {name: path.read_text().splitlines()[0].removeprefix("# ") for name, path in bundled_configs().items()}
+    assert all(line.endswith(first[line.split()[0]]) and line[-1] in ".)" for line in lines), lines

@@ -155,7 +155,7 @@ def awkward_text(n: int, seed: int = 0) -> str:
     """Real text with runs of spaces and newlines, multi-byte characters and contractions mixed in."""
     import random
 
-    from conftest import SHAKESPEARE
+    from helpers import SHAKESPEARE
 
     rng = random.Random(seed)
     prose = SHAKESPEARE.read_text()[:n]
@@ -220,7 +220,7 @@ def test_rss_stays_flat_as_one_document_grows_10x(tmp_path, monkeypatch):
     """One 0.2 MB and one 2 MB document without a newline, in 16 KB pieces and 64 KB batches (the defaults
     are 256 KB and 4 MB, which a test cannot outgrow quickly). Whole, GPT-2's HF tokenizer takes ~230 MB
     more for the second (measured); in pieces the peak does not move."""
-    from conftest import SHAKESPEARE
+    from helpers import SHAKESPEARE
     from shardlm.data import cache
 
     monkeypatch.setattr(cache, "PIECE_CHARS", 16 << 10)

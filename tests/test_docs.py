@@ -22,3 +22,11 @@ def test_every_bundled_config_loads(path):
     cfg = load_config(path)
     assert cfg.out_dir.startswith("runs/")
     assert path.name in (ROOT / "README.md").read_text()
+
+
+def test_configs_ship_in_the_package_and_the_checkout_links_to_them():
+    from shardlm.config import BUNDLED_CONFIGS
+
+    assert (ROOT / "configs").is_symlink() and (ROOT / "configs").resolve() == BUNDLED_CONFIGS.resolve()
+    assert BUNDLED_CONFIGS.parent == ROOT / "shardlm" and len(list(BUNDLED_CONFIGS.glob("*.yaml"))) >= 7
+    assert '"configs/*.yaml"' in (ROOT / "pyproject.toml").read_text()  # [tool.setuptools.package-data]

@@ -5,10 +5,9 @@ The catalogue lives in docs/errors.md; data and config cases are also in test_da
 import pytest
 import torch
 
-from conftest import byte_gpt2_config, shardlm_cli, tiny
+from helpers import byte_gpt2_config, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.metrics import Eta
 from shardlm.model import model_config
 from shardlm.parallel import plan
 from shardlm.tokenizer import byte_tokenizer, load_tokenizer
@@ -159,22 +158,6 @@ def test_disk_full_while_saving_keeps_earlier_checkpoints(corpus, cache_dir, tmp
     with pytest.raises(ShardlmError, match="No space left on device.*intact"):
         train(cfg)
     assert (tmp_path / "checkpoints" / "step_000000002" / "manifest.json").is_file()
-
-
-def test_eta_lands_within_15_percent_with_warmup_evals_and_saves():
-    """Synthetic run: 3 slow warm-up steps (compile), then 0.2 s steps, 1 s evals every 10, 0.5 s saves."""
-    total, eta = 100, Eta(100)
-    durations = [5.0, 3.0, 2.0] + [0.2] * 97
-    for step in range(1, total + 1):
-        eta.add_step(durations[step - 1])
-        if step % 10 == 0:
-            eta.add_eval(1.0)
-            eta.add_save(0.5)
-        if step >= 5:
-            evals_left, saves_left = (total - step) // 10 + 1, (total - step) // 10
-            truth = sum(durations[step:]) + evals_left * 1.0 + saves_left * 0.5
-            if step >= 10:  # once an eval and a save have been seen
-                assert eta.remaining(step, evals_left, saves_left) == pytest.approx(truth, rel=0.15)
 
 
 @pytest.fixture
@@ -358,3 +341,21 @@ def test_prepare_of_a_corrupt_file_exits_2_in_one_line_and_keeps_the_cache(tmp_p
     assert done.value.code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("error: data file") and "bad.txt.gz' is truncated" in err
     assert {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()} == before
+
+
+# ---- row 92: a config that is neither a file nor a bundled config name ----------------------------------------
+@pytest.mark.parametrize("arg, message", [
+    ("shakespear", "error: config 'shakespear' is neither a file nor a bundled config. Did you mean "
+                   "'shakespeare_tiny'? Pass a YAML file, none, or a bundled config by name: gpt2_124m_openwebtext"),
+    ("nowhere/shakespeare_tiny.yaml", "error: config file 'nowhere/shakespeare_tiny.yaml' not found. Did you mean "
+                                      "the bundled 'shakespeare_tiny' (no folder)?"),
+])
+def test_an_unknown_config_lists_the_bundled_ones_in_one_line(tmp_path, monkeypatch, capsys, arg, message):
+    from shardlm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as done:
+        main(["train", arg, "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    assert done.value.code == 2 and err.startswith(message) and "\n" not in err, err
+    assert "shakespeare_tiny (`shardlm configs` describes them)." in err and not list(tmp_path.iterdir())

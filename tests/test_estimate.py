@@ -4,11 +4,11 @@ loss against the plain one."""
 import pytest
 import torch
 
-from conftest import fp32_tol, on_cuda, tiny
-from shardlm.build import build
+from helpers import fp32_tol, on_cuda, tiny
 from shardlm.config import load_config
-from shardlm.estimate import estimate, measure_step_peak
+from shardlm.estimate import estimate
 from shardlm.loss import linear_cross_entropy
+from shardlm.metrics import measure_step_peak
 from shardlm.trainer import Trainer
 
 GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256, "model.n_head": 4,
@@ -24,7 +24,7 @@ GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256
 ], ids=["chunked", "plain-loss", "activation-ckpt", "big-batch", "llama"])
 def test_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path, extra):
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{**GPT2_VOCAB, **extra}))
-    trainer = Trainer(build(cfg))
+    trainer = Trainer.from_config(cfg)
     trainer.train_step()  # the optimizer state exists from here on
     measured = measure_step_peak(trainer)
     predicted = estimate(cfg, trainer.run.tokenizer).peak_bytes
@@ -36,7 +36,7 @@ def test_chunked_loss_saves_memory(corpus, cache_dir, tmp_path):
     for chunk in (0, 256):
         cfg = load_config(None, tiny(corpus, cache_dir, tmp_path / str(chunk),
                                      **{**GPT2_VOCAB, "train.batch_size": 16, "train.loss_chunk_size": chunk}))
-        trainer = Trainer(build(cfg))
+        trainer = Trainer.from_config(cfg)
         trainer.train_step()
         peaks[chunk] = measure_step_peak(trainer)
     assert peaks[256] < 0.6 * peaks[0]

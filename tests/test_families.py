@@ -11,12 +11,11 @@ positions with an offset, biases, tied weights.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, tiny
+from helpers import ROOT, python_cmd, save_hf_folder, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.generate import generate_from_path
@@ -35,10 +34,7 @@ def make_folder(root, arch):
                                                           f"model.config_overrides={json.dumps(EXTRA.get(arch, {}))}"]
     hf_cfg = model_config(load_config(None, overrides), byte_tokenizer())
     torch.manual_seed(0)
-    model = empty_model(hf_cfg, "cpu")
-    model.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    return folder
+    return save_hf_folder(empty_model(hf_cfg, "cpu"), folder)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +72,9 @@ def test_fsdp_equals_one_process_resumes_exactly_and_exports_for_every_family(fo
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
     def run(nproc: int, batch: int, *flags: str) -> dict:
-        launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
         script = [str(ROOT / "tests" / "scripts" / "family_losses.py"), f"run{nproc}", *flags,
                   *map(str, folders.values()), "--", *overrides, f"train.batch_size={batch}"]
-        out = subprocess.run([sys.executable, *launch, *script], cwd=ROOT, env=env, capture_output=True, text=True,
+        out = subprocess.run(python_cmd(*script, nproc=nproc), cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))

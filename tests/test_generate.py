@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import byte_gpt2_config
+from helpers import byte_gpt2_config
 from shardlm import ShardlmError
 from shardlm.cli import cmd_env, cmd_generate, parse_args
 from shardlm.generate import generate_batch, generate_tokens, iter_samples, text_printer

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import byte_gpt2_config
+from helpers import byte_gpt2_config
 from shardlm import ShardlmError
 from shardlm.genquality import (
     distinct_n,

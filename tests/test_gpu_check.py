@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import byte_gpt2_config
+from helpers import byte_gpt2_config
 from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.export import run_facts, write_card

@@ -11,9 +11,8 @@ import pytest
 import torch
 from faults import SigtermAt, fault
 
-from conftest import byte_gpt2_config, records, shardlm_cli, tiny
+from helpers import byte_gpt2_config, records, save_hf_folder, shardlm_cli, tiny
 from shardlm import ShardlmError
-from shardlm.tokenizer import byte_tokenizer
 
 STEPS = 8
 
@@ -37,9 +36,7 @@ def save_base(folder, family: str, seed: int):
             vocab_size=257, max_position_embeddings=64, bos_token_id=256, eos_token_id=256))
     else:
         model = GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=16, n_head=2))
-    model.save_pretrained(folder)
-    byte_tokenizer().save_pretrained(folder)
-    return folder
+    return save_hf_folder(model, folder)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +93,6 @@ def by_step(out_dir) -> dict[int, float]:
 def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, cache_dir, tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from shardlm.build import build
     from shardlm.config import load_config
     from shardlm.train import train
     from shardlm.trainer import Trainer
@@ -106,7 +102,7 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, ca
     assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
 
     # 1 process: gradients reach the adapters alone, the optimizer holds the adapters alone
-    trainer = Trainer(build(load_config(None, lora_args(corpus, cache_dir, tmp_path / "one", folders["llama"]))))
+    trainer = Trainer.from_config(load_config(None, lora_args(corpus, cache_dir, tmp_path / "one", folders["llama"])))
     trainer.model.train()
     trainer.forward_backward_step(trainer._train_batch(0))
     named = dict(trainer.model.named_parameters())

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import byte_gpt2_config
+from helpers import byte_gpt2_config
 from shardlm.loss import linear_cross_entropy
 
 N, D, V = 40, 16, 300
@@ -154,7 +154,7 @@ def test_eval_refuses_a_stride_that_skips_tokens(hf_model, stride):
 def test_padded_vocabulary_trains_the_same_loss_and_never_generates_a_padding_id(corpus, cache_dir, tmp_path):
     """model.vocab_multiple=64: 257 byte ids -> 320 rows; shardlm's loss is the model's own labels loss, and
     generation (hot enough to reach every id) never emits one of the 63 padding ids."""
-    from conftest import tiny
+    from helpers import tiny
     from shardlm.build import build
     from shardlm.config import load_config
     from shardlm.generate import generate_batch

@@ -2,15 +2,14 @@
 
 import pytest
 
-from conftest import tiny
-from shardlm.build import build
+from helpers import tiny
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
 
 
 def test_prefetched_batches_equal_direct_ones(corpus, cache_dir, tmp_path):
     overrides = tiny(corpus, cache_dir, tmp_path, **{"train.grad_accum": 2})
-    direct, ahead = (Trainer(build(load_config(None, overrides)), prefetch=p) for p in (False, True))
+    direct, ahead = (Trainer.from_config(load_config(None, overrides), prefetch=p) for p in (False, True))
     for trainer in (direct, ahead):
         trainer.position = 24  # as a resumed run: the prefetcher must start here, then follow moves
     seen = []
@@ -42,8 +41,8 @@ def test_one_host_sync_per_optimizer_step_none_per_micro_step(corpus, cache_dir,
     import transformers.masking_utils as masking
 
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
-    trainer = Trainer(build(load_config(None, tiny(corpus, cache_dir, tmp_path, **{
-        "parallel.device": "cuda", "train.grad_accum": 4}))))
+    trainer = Trainer.from_config(load_config(None, tiny(corpus, cache_dir, tmp_path, **{
+        "parallel.device": "cuda", "train.grad_accum": 4})))
     for _ in range(2):  # warm-up: the prefetcher starts, kernels are chosen
         trainer.train_step()
     torch.cuda.set_sync_debug_mode("warn")

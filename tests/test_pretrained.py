@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import byte_gpt2_config, records, shardlm_cli, tiny
+from helpers import byte_gpt2_config, records, shardlm_cli, tiny
 from shardlm.checkpoint import is_complete, list_checkpoints
 from shardlm.data import GlobalSampler
 from shardlm.tokenizer import byte_tokenizer

@@ -11,7 +11,7 @@ import time
 import pytest
 from faults import fault
 
-from conftest import ROOT, losses, records, shardlm_cli, tiny
+from helpers import ROOT, losses, records, shardlm_cli, tiny
 
 
 def free_port() -> int:

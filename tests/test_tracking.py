@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import shardlm_cli, tiny
+from helpers import shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.metrics import MetricsLog

@@ -2,12 +2,11 @@
 
 import math
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, fp32_tol, losses, records, shardlm_cli, tiny
+from helpers import ROOT, fp32_tol, losses, python_cmd, records, shardlm_cli, tiny
 from shardlm.config import load_config
 from shardlm.trainer import Trainer
 
@@ -78,8 +77,8 @@ def test_validation_metrics_equal_hf_labels_loss(corpus, cache_dir, tmp_path, ch
 
 
 def test_tied_weights_survive_sharding(corpus, cache_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(ROOT / "tests/scripts/tied_check.py"), *tiny(corpus, cache_dir, tmp_path)],
+    out = subprocess.run(python_cmd(str(ROOT / "tests/scripts/tied_check.py"), *tiny(corpus, cache_dir, tmp_path),
+                                    nproc=2),
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "TIED OK" in out.stdout

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 import shardlm.tune
-from conftest import shardlm_cli, tiny
+from helpers import shardlm_cli, tiny
 from shardlm.build import count_steps
 from shardlm.config import load_config, save_config
 from shardlm.tune import report, tune

@@ -5,12 +5,11 @@ import sys
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from shardlm.build import build
 from shardlm.config import load_config
 from shardlm.dist import shutdown
 from shardlm.trainer import Trainer
 
-trainer = Trainer(build(load_config(None, sys.argv[1:])))
+trainer = Trainer.from_config(load_config(None, sys.argv[1:]))
 hf = trainer.model.hf
 assert hf.lm_head.weight is hf.transformer.wte.weight, "tie broken by sharding"
 before = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
