@@ -81,6 +81,34 @@ class EarlyStopping(Callback):
             trainer.request_stop()
 
 
+class GenerationQuality(Callback):
+    """`train.gen_every=N`: every N steps, the numbers of `shardlm eval --generation` for `train.gen_samples`
+    held-out prompts (the first half of validation blocks), as a `"split": "gen"` record: metrics.jsonl,
+    TensorBoard, W&B/MLflow, and `shardlm plot` draws them. Every rank takes part in gathering the weights
+    to rank 0 (a collective); rank 0 samples and scores, seeded with train.seed."""
+
+    def __init__(self, every: int, samples: int):
+        self.every, self.samples = every, samples
+
+    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:  # noqa: ARG002 - the interface
+        if trainer.step % self.every == 0:
+            self.measure(trainer)
+
+    def measure(self, trainer: Trainer) -> None:
+        from shardlm.generate import gather_hf_model
+        from shardlm.genquality import generation_quality
+
+        run = trainer.run
+        hf = gather_hf_model(run.model, run.hf_config, run.dist, str(run.dist.device))
+        if hf is not None:
+            val = run.val
+            g = generation_quality(hf.eval(), run.tokenizer, val.tokens[val.start:val.end], val.seq_len,
+                                   self.samples, seed=run.cfg.train.seed)
+            numbers = {k: v for k, v in g.items() if isinstance(v, (int, float))}
+            trainer.report.log.write({"step": trainer.step, "split": "gen", "source": "train", **numbers})
+        run.dist.barrier()
+
+
 class Callbacks(Callback):
     """Several callbacks as one: each event goes to each callback that defines it, in order."""
 

@@ -23,6 +23,8 @@ SHARDINGS = ("full", "grad_op", "no_shard", "hybrid_full", "hybrid_grad")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 COMPILES = ("auto", "model", "blocks", "false")
 LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
+# The scenario configs, shipped as package data; a checkout's top-level configs/ is a link to this folder.
+BUNDLED_CONFIGS = Path(__file__).parent / "configs"
 # `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 # ZeRO stages and FSDP1 / HF Trainer names (README's table), keyed like `_sharding_key` spells them.
@@ -96,6 +98,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
     sample_tokens: int = 200  # tokens generated at the end of training as a sample; 0 = none
     sample_prompt: str = "\n"  # prompt of that sample
+    gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
+    gen_samples: int = 32  # held-out prompts sampled for those metrics
 
 
 @dataclass
@@ -241,12 +245,39 @@ def _yaml_kind(tree: object) -> str:
 def _read_text(path: Path) -> str:
     if path.is_dir():
         raise ShardlmError(f"config file '{path}' is a folder. Pass a YAML file (see configs/) or none.")
-    if not path.is_file():
-        raise ShardlmError(f"config file '{path}' not found. Pass a YAML file (see configs/) or none.")
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ShardlmError(f"config file '{path}' is not UTF-8 text (byte {e.start}). Save it as UTF-8.") from None
+
+
+def bundled_configs() -> dict[str, Path]:
+    """The scenario configs shipped in the package, by name: `shardlm train shakespeare_tiny` runs one."""
+    return {p.stem: p for p in sorted(BUNDLED_CONFIGS.glob("*.yaml"))}
+
+
+def config_summary(path: Path) -> str:
+    """A config's first comment line, what `shardlm configs` prints beside its name."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return next((line.lstrip("#").strip() for line in lines if line.startswith("#")), "")
+
+
+def config_path(arg: str | Path) -> Path:
+    """The one place a config argument becomes a file: a path that exists, else a bundled config by name
+    (`shakespeare_tiny` or `shakespeare_tiny.yaml`, no folder)."""
+    path, bundled = Path(arg), bundled_configs()
+    if path.exists():
+        return path
+    name = path.name.removesuffix(".yaml")
+    if str(path) != path.name:  # a path with a folder is a file, never a name
+        problem = f"config file '{arg}' not found."
+        problem += f" Did you mean the bundled '{name}' (no folder)?" if name in bundled else ""
+    elif name in bundled:
+        return bundled[name]
+    else:
+        problem = f"config '{arg}' is neither a file nor a bundled config.{nearest(name, list(bundled))}"
+    raise ShardlmError(f"{problem} Pass a YAML file, none, or a bundled config by name: {', '.join(bundled)} "
+                       "(`shardlm configs` describes them).")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -267,7 +298,7 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
     """Defaults <- YAML file(s), later ones winning <- overrides, type-checked; then cross-field validation."""
     values: dict[str, Any] = {}
     for one in [] if path is None else path if isinstance(path, list) else [path]:
-        values.update(_read_yaml(Path(one)))
+        values.update(_read_yaml(config_path(one)))
     cli = parse_overrides(overrides or [])
     _check_keys(dict(cli), "the command line")
     values.update(cli)
@@ -334,7 +365,8 @@ def validate(cfg: Config) -> None:
         _positive("train.max_steps", t.max_steps, allow_zero=True)
     _positive("train.lr", t.lr)
     _positive("train.log_every", t.log_every)
-    for name in ("eval_every", "eval_batches", "warmup_steps", "max_bad_steps"):
+    _positive("train.gen_samples", t.gen_samples)
+    for name in ("eval_every", "eval_batches", "warmup_steps", "max_bad_steps", "gen_every"):
         _positive(f"train.{name}", getattr(t, name), allow_zero=True)
     if t.loss_chunk_size is not None:
         _positive("train.loss_chunk_size", t.loss_chunk_size, allow_zero=True)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from shardlm import tracking
-from shardlm.build import build
+from shardlm import ShardlmError, tracking
+from shardlm.build import Run, build
+from shardlm.callbacks import GenerationQuality
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
 from shardlm.generate import gather_hf_model, generate_text
 from shardlm.trainer import Trainer
@@ -18,7 +19,7 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
     """`callbacks`: shardlm.callbacks objects (`shardlm train --callback SPEC` loads them by name)."""
     tracking.require(cfg.log)  # a tracker that is not installed fails before any work
     run = build(cfg)
-    trainer = Trainer(run, checkpoint=True, callbacks=callbacks)
+    trainer = Trainer(run, checkpoint=True, callbacks=[*callbacks, *generation_callback(run)])
     assert trainer.checkpointer is not None
     resumed = trainer.checkpointer.maybe_resume()
     if resumed and trainer.step >= run.total_steps > 0:
@@ -49,6 +50,24 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
                                  temperature=0.8, top_k=200, seed=cfg.train.seed)[0]
             print(f"---- sample ({cfg.train.sample_tokens} tokens) ----\n{text}\n----", flush=True)
     return result
+
+
+def generation_callback(run: Run) -> list[GenerationQuality]:
+    """`train.gen_every`: its libraries and enough held-out blocks are checked here, on every rank, so a
+    missing one fails before training rather than on rank 0 alone at step N."""
+    t = run.cfg.train
+    if not t.gen_every:
+        return []
+    from shardlm.genquality import MODULES, held_out_prompts, require
+
+    for module in MODULES:
+        require(module)
+    val = run.val
+    try:
+        held_out_prompts(val.tokens[val.start:val.end], val.seq_len, t.gen_samples, val.seq_len // 2)
+    except ShardlmError as e:
+        raise ShardlmError(str(e).replace("--generation", "train.gen_samples")) from None
+    return [GenerationQuality(t.gen_every, t.gen_samples)]
 
 
 def record_config(cfg: Config, out_dir: Path, log=print) -> None:

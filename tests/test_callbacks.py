@@ -7,7 +7,7 @@ import signal
 import pytest
 from faults import FAULTS, SigtermAt
 
-from conftest import tiny
+from helpers import tiny
 from shardlm import ShardlmError
 from shardlm.callbacks import Callback, load
 from shardlm.config import load_config
@@ -73,3 +73,18 @@ def test_early_stopping_waits_patience_evaluations_without_improvement():
     for loss in (3.0, 2.5, 2.45, 2.6):  # 2.45 is not better by more than 0.1: the second miss stops
         stopper.on_evaluate(Run, {"loss": loss})
         assert bool(stopped) == (loss == 2.6)
+
+
+def test_gen_every_records_generation_quality_during_training(corpus, cache_dir, tmp_path):
+    """train.gen_every=2: a split "gen" record at steps 2 and 4 with eval --generation's numbers."""
+    import json
+
+    pytest.importorskip("mauve")
+    train(load_config(None, tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 4, "train.gen_every": 2,
+                                                                 "train.gen_samples": 10})))
+    gen = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if r["split"] == "gen"]
+    assert [r["step"] for r in gen] == [2, 4]
+    assert all(0 < r["distinct_1"] <= 1 and 0 < r["mauve"] <= 1 + 1e-9 for r in gen)
+    with pytest.raises(ShardlmError, match="train.gen_samples 100000 needs 100000 held-out blocks"):
+        train(load_config(None, tiny(corpus, cache_dir, tmp_path / "b", **{"train.gen_every": 2,
+                                                                          "train.gen_samples": 100000})))
