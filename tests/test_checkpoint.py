@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from faults import fault
 
 from gpu_check import kill_tree
-from helpers import ROOT, records, shardlm_cli, tiny
+from helpers import ROOT, python_cmd, records, shardlm_cli, tiny
 from shardlm.checkpoint import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12
@@ -48,8 +48,7 @@ def test_kill_after_save_resumes_bit_exact(reference, corpus, cache_dir, tmp_pat
 
 
 def test_kill_during_save_falls_back_and_resumes_exact(reference, corpus, cache_dir, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "shardlm",
-           *ckpt_args(corpus, cache_dir, tmp_path), fault("PauseInSave(8)")]
+    cmd = python_cmd("-m", "shardlm", *ckpt_args(corpus, cache_dir, tmp_path), fault("PauseInSave(8)"), nproc=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
