@@ -15,7 +15,7 @@ from torch import nn
 from shardlm import ShardlmError, lora
 from shardlm import dist as dist_mod
 from shardlm.config import Config
-from shardlm.data import TokenBlocks, prepare_data
+from shardlm.data import Blocks, prepare_data
 from shardlm.dist import Dist
 from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
 from shardlm.parallel import Plan, parallelize, plan
@@ -35,8 +35,8 @@ class Run:
     model: CausalLM
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    train: TokenBlocks
-    val: TokenBlocks
+    train: Blocks  # TokenBlocks of one source, MixtureBlocks of a list data.train
+    val: Blocks
     total_steps: int
     out_dir: Path
 
@@ -128,7 +128,8 @@ def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def count_steps(cfg: Config, train: TokenBlocks, world: int) -> int:
+def count_steps(cfg: Config, train: Blocks, world: int) -> int:
+    """train.epochs counts the blocks of all sources of a mixture together."""
     t = cfg.train
     global_batch = world * t.batch_size * t.grad_accum
     if len(train) < global_batch:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "shakespeare"  # file, folder, "hf:name[/config][:split]" or "shakespeare" (bundled)
+    train: str | list[str] = "shakespeare"  # file, folder, "hf:name[/config][:split]", "shakespeare"; list = mixture
+    weights: list[float] | None = None  # sampling weight of each source of a list data.train; None = their sizes
     val: str | None = None  # None = hold out `val_fraction` of train
     val_fraction: float = 0.1  # tail of data.train held out for validation when data.val is null
     seq_len: int = 128  # tokens per packed training block
@@ -311,6 +313,8 @@ def build_config(flat: dict[str, Any]) -> Config:
     for key, value in flat.items():
         if key not in known:
             raise ShardlmError(f"unknown config key '{key}'.{nearest(key, list(known))}")
+        if key == "data.train":
+            value = _as_spec(value)
         if key == "parallel.compile" and isinstance(value, bool):  # YAML true/false, as before `model`/`blocks`
             value = "model" if value else "false"
         try:
@@ -324,6 +328,13 @@ def build_config(flat: dict[str, Any]) -> Config:
     cfg.parallel.sharding = canonical_sharding(cfg.parallel.sharding)
     validate(cfg)
     return cfg
+
+
+def _as_spec(value: Any) -> Any:
+    """A path or number given for data.train (or an entry of its list) is its text, as for any str key."""
+    if isinstance(value, (list, tuple)):
+        return [_as_spec(v) for v in value]
+    return str(value) if isinstance(value, (Path, int, float)) else value
 
 
 def _sharding_key(name: str) -> str:
@@ -378,6 +389,7 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.export_final and not cfg.checkpoint.save_final:
         raise ShardlmError("checkpoint.export_final=true exports the final checkpoint: it needs "
                            "checkpoint.save_final=true (or run `shardlm export` on a checkpoint later).")
+    _check_mixture(cfg)
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ShardlmError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
     if not 0.0 <= cfg.model.dropout < 1.0:
@@ -398,6 +410,27 @@ def validate(cfg: Config) -> None:
                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
                 f"lower data.seq_len or raise model.n_positions."
             )
+
+
+def _check_mixture(cfg: Config) -> None:
+    """A list data.train is a mixture; data.weights, if given, has one weight >= 0 per source, not all 0."""
+    train, weights = cfg.data.train, cfg.data.weights
+    if isinstance(train, list) and not train:
+        raise ShardlmError("data.train is an empty list: give one source, or a list of sources to mix.")
+    if weights is None:
+        return
+    if not isinstance(train, list):
+        raise ShardlmError(f"data.weights applies to a mixture, but data.train is one source ({train!r}): give "
+                           "data.train a list of sources ('data.train=[a.txt,b.parquet]') or set data.weights=null.")
+    if len(weights) != len(train):
+        n = len(weights)
+        raise ShardlmError(f"data.weights has {n} weight{'s' * (n != 1)} but data.train lists {len(train)} sources: "
+                           "give one weight per source, or data.weights=null to weight them by their sizes.")
+    for i, w in enumerate(weights):
+        if not (math.isfinite(w) and w >= 0):
+            raise ShardlmError(f"data.weights[{i}] is {w}: weights must be finite and >= 0 (0 = leave a source out).")
+    if not any(weights):
+        raise ShardlmError("data.weights are all 0: give at least one source a positive weight.")
 
 
 def _check_lora(cfg: Config) -> None:

@@ -60,7 +60,9 @@ def dry_run(cfg: Config, world_size: int) -> str:
     device = pick_device(cfg.parallel.device, 0) if cfg.parallel.device != "auto" else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pl = plan(cfg, world_size, world_size, device)
-    lines = [_data_line("data.train", cfg.data.train, "train", cfg.data.data_files),
+    train = cfg.data.train
+    lines = [*([_data_line(f"data.train[{i}]", spec, "train", cfg.data.data_files) for i, spec in enumerate(train)]
+               if isinstance(train, list) else [_data_line("data.train", train, "train", cfg.data.data_files)]),
              _data_line("data.val", cfg.data.val, "validation", cfg.data.data_files),
              *_model_lines(cfg),
              f"plan: {world_size} rank(s) on {device.type}, "

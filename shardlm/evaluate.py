@@ -229,7 +229,11 @@ def _validation_tokens(cfg, tokenizer, device: torch.device, exported: bool) -> 
     spec = cfg.data.val or (None if exported else cfg.data.train)
     if spec is None:
         raise ShardlmError("an exported model carries no data settings: pass data.val=PATH (or hf:...).")
-    tokens = load_split(spec, cfg.data, tokenizer, Dist(LaunchInfo("single"), device), "validation")
-    if cfg.data.val is None:  # the held-out tail of the training data, as during training
-        tokens = tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
-    return tokens
+    dist = Dist(LaunchInfo("single"), device)
+    if cfg.data.val is not None:
+        return load_split(spec, cfg.data, tokenizer, dist, "validation")
+    # the held-out tail of the training data, as during training; of each source of a mixture, one after another
+    tails = [tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
+             for tokens in (load_split(s, cfg.data, tokenizer, dist, "validation")
+                            for s in (spec if isinstance(spec, list) else [spec]))]
+    return tails[0] if len(tails) == 1 else np.concatenate(tails)

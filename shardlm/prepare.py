@@ -21,7 +21,7 @@ from shardlm.config import Config
 
 @dataclass
 class Prepared:
-    name: str  # train | val
+    name: str  # train | train[i] (a mixture's sources) | val
     spec: str
     folder: Path
     documents: int
@@ -47,7 +47,10 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
     tokenizer = model_tokenizer(cfg.model)
     root = cache_root(cfg.data.cache_dir)
     done = []
-    for name, spec, split in (("train", cfg.data.train, "train"), ("val", cfg.data.val, "validation")):
+    train = cfg.data.train
+    named = [(f"train[{i}]", spec, "train") for i, spec in enumerate(train)] if isinstance(train, list) else \
+        [("train", train, "train")]  # every source of a mixture
+    for name, spec, split in (*named, ("val", cfg.data.val, "validation")):
         if not spec:
             continue
         start = time.time()
@@ -74,5 +77,6 @@ def prepare_command(cfg: Config) -> int:
     if rank == 0:
         print("\n".join(p.line() for p in done))
         if not cfg.data.val:
-            print(f"val: none: the last {cfg.data.val_fraction:.0%} of the training tokens are held out")
+            each = " of each source" if isinstance(cfg.data.train, list) else ""
+            print(f"val: none: the last {cfg.data.val_fraction:.0%} of the training tokens{each} are held out")
     return 0

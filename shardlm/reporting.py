@@ -116,8 +116,10 @@ class Reporter:
     def _left(self, step: int, every: int) -> int:
         return (self.total - step) // every if every else 0
 
-    def log_train(self, step: int, *, lr: float, grad_norm: float, tokens: int, skipped_steps: int) -> None:
-        """The interval's record (one all-reduce of the loss) and the progress line; starts a new interval."""
+    def log_train(self, step: int, *, lr: float, grad_norm: float, tokens: int, skipped_steps: int,
+                  tokens_by_source: list[int] | None = None) -> None:
+        """The interval's record (one all-reduce of the loss) and the progress line; starts a new interval.
+        A mixture's record also has `tokens_by_source`, the tokens seen from each source (they add up to `tokens`)."""
         self.dist.all_reduce_sum(self.loss_sum)
         loss = (self.loss_sum[0] / (self.steps * self.tokens_per_step)).item()
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
@@ -126,7 +128,8 @@ class Reporter:
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
                         "peak_mem_gb": peak_memory_bytes(self.device) / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
-                        **gpu_utilization(self.device)})
+                        **gpu_utilization(self.device),
+                        **({"tokens_by_source": tokens_by_source} if tokens_by_source is not None else {})})
         evals_left = self._left(step, self.run.cfg.train.eval_every) + 1  # + the final one
         remaining = self.eta.remaining(step, evals_left, self._left(step, self.save_every))
         self.progress.update(step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}

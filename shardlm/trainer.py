@@ -23,7 +23,7 @@ from shardlm.build import Run, build
 from shardlm.callbacks import Callbacks
 from shardlm.checkpoint import Checkpointer, stateful_parts
 from shardlm.config import Config
-from shardlm.data import GlobalSampler, TokenBlocks, eval_shares, micro_batch_position
+from shardlm.data import Blocks, MixtureSampler, eval_shares, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.fp8 import after_optimizer_step
 from shardlm.metrics import eval_summary, peak_flops
@@ -53,7 +53,7 @@ class Trainer:
         t = self.cfg.train
         self.batch, self.seq_len, self.accum = t.batch_size, self.cfg.data.seq_len, t.grad_accum
         self.global_batch = reporting.global_batch(run)  # blocks per optimizer step
-        self.sampler = GlobalSampler(len(run.train), t.seed)
+        self.sampler = train_sampler(run.train, t.seed)
         self.step, self.position, self.bad_steps, self.skipped_steps = 0, 0, 0, 0
         self.stop_requested = False
         self.callbacks = Callbacks(callbacks)
@@ -83,6 +83,12 @@ class Trainer:
             self.dist.print(f"note: global batch changed {state['global_batch']} -> {self.global_batch} blocks; "
                             f"the data stream continues at block {self.position}")
 
+    def tokens_by_source(self) -> list[int] | None:
+        """Training tokens seen from each source of a mixture (in data.train's order); None for one source."""
+        if not isinstance(self.sampler, MixtureSampler):
+            return None
+        return [int(n) * self.seq_len for n in self.sampler.counts(self.position)]
+
     def request_stop(self) -> None:
         """End `fit` after this step, with a checkpoint (as SIGTERM does); call it on every rank at one step."""
         self.stop_requested = True
@@ -107,7 +113,7 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ---- batches -------------------------------------------------------------------------------------------
-    def _batch(self, blocks: TokenBlocks, indices: np.ndarray) -> torch.Tensor:
+    def _batch(self, blocks: Blocks, indices: np.ndarray) -> torch.Tensor:
         batch = blocks.get(indices)
         if self.device.type == "cuda":
             return batch.pin_memory().to(self.device, non_blocking=True)
@@ -234,7 +240,7 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == total:
                     report.log_train(self.step, lr=float(self.run.scheduler.get_last_lr()[0]),
                                      grad_norm=result["grad_norm"], tokens=self.position * self.seq_len,
-                                     skipped_steps=self.skipped_steps)
+                                     skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < total:
                     self._evaluate(report)
                 self._maybe_save(report)

@@ -359,3 +359,36 @@ def test_an_unknown_config_lists_the_bundled_ones_in_one_line(tmp_path, monkeypa
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and err.startswith(message) and "\n" not in err, err
     assert "shakespeare_tiny (`shardlm configs` describes them)." in err and not list(tmp_path.iterdir())
+
+
+# ---- rows 95-99: weighted mixtures (a list data.train) --------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train=[a.txt,b.txt]", "data.weights=[1,2,3]"],
+     "data.weights has 3 weights but data.train lists 2 sources: give one weight per source, or data.weights=null"),
+    (["data.train=[a.txt,b.txt]", "data.weights=[1,-0.5]"],
+     "data.weights[1] is -0.5: weights must be finite and >= 0 (0 = leave a source out)."),
+    (["data.train=[a.txt,b.txt]", "data.weights=[0,0]"],
+     "data.weights are all 0: give at least one source a positive weight."),
+    (["data.train=a.txt", "data.weights=[1]"],
+     "data.weights applies to a mixture, but data.train is one source ('a.txt'): give data.train a list of sources"),
+    (["data.train=[]"], "data.train is an empty list: give one source, or a list of sources to mix."),
+])
+def test_bad_mixture_weights_fail_in_one_line(overrides, message):
+    with pytest.raises(ShardlmError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_mixture_source_too_short_for_one_block_is_named(tmp_path):
+    from shardlm.data import prepare_data
+    from shardlm.dist import Dist, LaunchInfo
+
+    (tmp_path / "a.txt").write_text("plenty of text here. " * 40)
+    (tmp_path / "b.txt").write_text("too short")
+    cfg = load_config(None, [f"data.train=[{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}]", "data.seq_len=32",
+                             f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ShardlmError) as err:
+        prepare_data(cfg.data, byte_tokenizer(), Dist(LaunchInfo("single"), CPU))
+    assert str(err.value).startswith("mixture source data.train[1] '") and "\n" not in str(err.value)
+    assert "b.txt' has 9 tokens (less the 10% held out for validation), fewer than one block of data.seq_len=32 " \
+           "+ 1. Give it more data, remove it from data.train, or use a smaller data.seq_len." in str(err.value)

@@ -8,9 +8,13 @@ from shardlm import ShardlmError
 from shardlm.config import DataConfig
 from shardlm.data.blocks import GlobalSampler, TokenBlocks, eval_shares, micro_batch_position
 from shardlm.data.cache import build_cache, cache_root, load_tokens
+from shardlm.data.mixture import MixtureBlocks, MixtureSampler
 from shardlm.data.sources import resolve
 
-__all__ = ["GlobalSampler", "TokenBlocks", "eval_shares", "micro_batch_position", "prepare_data", "load_split"]
+__all__ = ["Blocks", "GlobalSampler", "MixtureBlocks", "MixtureSampler", "TokenBlocks", "eval_shares",
+           "micro_batch_position", "prepare_data", "load_split", "train_sampler"]
+
+Blocks = TokenBlocks | MixtureBlocks
 
 
 def load_split(spec: str, cfg: DataConfig, tokenizer, dist, default_split: str):
@@ -29,7 +33,16 @@ def load_split(spec: str, cfg: DataConfig, tokenizer, dist, default_split: str):
     return load_tokens(Path(path))
 
 
-def prepare_data(cfg: DataConfig, tokenizer, dist) -> tuple[TokenBlocks, TokenBlocks]:
+def train_sampler(train: Blocks, seed: int) -> GlobalSampler | MixtureSampler:
+    """The global order of the training blocks: one source's epochs, or a mixture's weighted rounds."""
+    if isinstance(train, MixtureBlocks):
+        return MixtureSampler(train.sizes, train.weights, seed)
+    return GlobalSampler(len(train), seed)
+
+
+def prepare_data(cfg: DataConfig, tokenizer, dist) -> tuple[Blocks, Blocks]:
+    if isinstance(cfg.train, list):
+        return prepare_mixture(cfg, tokenizer, dist)
     train_tokens = load_split(cfg.train, cfg, tokenizer, dist, "train")
     if cfg.val:
         val_tokens = load_split(cfg.val, cfg, tokenizer, dist, "validation")
@@ -54,3 +67,32 @@ def _too_short(name: str, tokens: int, cfg: DataConfig) -> str:
     fix = "" if cfg.val else f", or a {'larger' if name == 'validation' else 'smaller'} data.val_fraction"
     return (f"the {name} data {what} has {tokens} tokens, fewer than one block of data.seq_len={cfg.seq_len} + 1. "
             f"Use more data or a smaller data.seq_len{fix}.")
+
+
+def prepare_mixture(cfg: DataConfig, tokenizer, dist) -> tuple[MixtureBlocks, Blocks]:
+    """`data.train` a list: each source's cache, its training blocks sampled by `data.weights`. Without
+    data.val, validation is the held-out tail (data.val_fraction) of every source, interleaved; a source too
+    short to give a held-out block gives none."""
+    trains, tails = [], []
+    for i, spec in enumerate(cfg.train):
+        tokens = load_split(spec, cfg, tokenizer, dist, "train")
+        cut = len(tokens) if cfg.val else int(len(tokens) * (1 - cfg.val_fraction))
+        trains.append(TokenBlocks(tokens, cfg.seq_len, 0, cut))
+        tails.append(TokenBlocks(tokens, cfg.seq_len, cut))
+        if len(trains[-1]) == 0:
+            held = "" if cfg.val else f" (less the {cfg.val_fraction:.0%} held out for validation)"
+            raise ShardlmError(f"mixture source data.train[{i}] '{spec}' has {cut} tokens{held}, fewer than one "
+                               f"block of data.seq_len={cfg.seq_len} + 1. Give it more data, remove it from "
+                               "data.train, or use a smaller data.seq_len.")
+    train = MixtureBlocks(trains, cfg.weights)
+    if cfg.val:
+        val: Blocks = TokenBlocks(load_split(cfg.val, cfg, tokenizer, dist, "validation"), cfg.seq_len)
+        if len(val) == 0:
+            raise ShardlmError(_too_short("validation", val.end - val.start, cfg))
+        return train, val
+    held_out = [t for t in tails if len(t)]
+    if not held_out:
+        raise ShardlmError(f"no source of data.train has, in its last {cfg.val_fraction:.0%}, one block of "
+                           f"data.seq_len={cfg.seq_len} + 1 tokens to hold out for validation. Set data.val, a "
+                           "larger data.val_fraction, or a smaller data.seq_len.")
+    return train, MixtureBlocks.interleaved(held_out)

@@ -32,14 +32,15 @@ class TokenBlocks:
 
 
 class GlobalSampler:
-    def __init__(self, num_blocks: int, seed: int, shuffle: bool = True):
-        self.num_blocks, self.seed, self.shuffle = num_blocks, seed, shuffle
+    def __init__(self, num_blocks: int, seed: int, shuffle: bool = True, stream: tuple[int, ...] = ()):
+        """`stream` tells apart the orders of a mixture's sources (shardlm.data.mixture); none for one source."""
+        self.num_blocks, self.seed, self.shuffle, self.stream = num_blocks, seed, shuffle, stream
         self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
             self._epoch = epoch
-            self._perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_blocks)
+            self._perm = (np.random.default_rng([self.seed, *self.stream, epoch]).permutation(self.num_blocks)
                           if self.shuffle else np.arange(self.num_blocks))
         return self._perm
 
