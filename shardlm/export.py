@@ -150,6 +150,14 @@ def _loss(record: dict | None) -> str | None:
     return f"{record['loss']:.4f} (perplexity {math.exp(min(record['loss'], 700)):.2f}) at step {record['step']}"
 
 
+def _data(data) -> str:
+    """One source as given; a mixture as its sources with their weights (null: in proportion to their size)."""
+    if not isinstance(data.train, list):
+        return str(data.train)
+    weights = data.weights or ["by size"] * len(data.train)
+    return "a mixture of " + ", ".join(f"{s} ({w})" for s, w in zip(data.train, weights, strict=True))
+
+
 def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
     c, positions = model.config, context_length(model.config)
     n_params = sum(p.numel() for p in model.parameters())
@@ -158,8 +166,9 @@ def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
              f" layers, width {getattr(c, 'hidden_size', '?')}, context {positions}, vocabulary {c.vocab_size}"),
             ("base model", (cfg.model.name or "none: trained from scratch") if cfg else None),
             ("tokenizer", (cfg.model.tokenizer or "the base model's") if cfg else None),
-            ("training data", cfg.data.train if cfg else None),
-            ("validation data", (cfg.data.val or f"the last {cfg.data.val_fraction:.0%} of the training data")
+            ("training data", _data(cfg.data) if cfg else None),
+            ("validation data", (cfg.data.val or f"the last {cfg.data.val_fraction:.0%} of "
+                                 f"{'each source' if isinstance(cfg.data.train, list) else 'the training data'}")
              if cfg else None),
             ("steps", facts.get("step")),
             ("tokens seen", f"{train['tokens']:,}" if train and "tokens" in train else None),

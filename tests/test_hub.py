@@ -64,3 +64,12 @@ def test_push_to_hub_unreachable_is_one_line_and_keeps_the_export(hf_folder, tmp
 
     assert AutoModelForCausalLM.from_pretrained(out) is not None and (out / "README.md").is_file()
     assert 'model="me/tiny"' in (out / "README.md").read_text()
+
+
+def test_the_card_names_a_mixture_with_its_weights():
+    from shardlm.config import load_config
+    from shardlm.export import _data
+
+    mix = load_config(overrides=["data.train=[a.txt,b.parquet]", "data.weights=[0.7,0.3]"]).data
+    assert _data(mix) == "a mixture of a.txt (0.7), b.parquet (0.3)"
+    assert _data(load_config(overrides=["data.train=c.txt"]).data) == "c.txt"
