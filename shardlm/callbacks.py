@@ -96,7 +96,7 @@ class GenerationQuality(Callback):
 
     def measure(self, trainer: Trainer) -> None:
         from shardlm.generate import gather_hf_model
-        from shardlm.genquality import generation_quality
+        from shardlm.genquality import generation_quality, record_fields
 
         run = trainer.run
         hf = gather_hf_model(run.model, run.hf_config, run.dist, str(run.dist.device))
@@ -104,8 +104,7 @@ class GenerationQuality(Callback):
             val = run.val
             g = generation_quality(hf.eval(), run.tokenizer, val.tokens[val.start:val.end], val.seq_len,
                                    self.samples, seed=run.cfg.train.seed)
-            numbers = {k: v for k, v in g.items() if isinstance(v, (int, float))}
-            trainer.report.log.write({"step": trainer.step, "split": "gen", "source": "train", **numbers})
+            trainer.report.log.write({"step": trainer.step, "split": "gen", "source": "train", **record_fields(g)})
         run.dist.barrier()
 
 

@@ -26,7 +26,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
-from shardlm.genquality import FEW_FOR_MAUVE, MODULES, generation_quality, held_out_prompts, require
+from shardlm.genquality import FEW_FOR_MAUVE, MODULES, generation_quality, held_out_prompts, record_fields, require
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
 from shardlm.metrics import eval_summary, fmt_time
@@ -206,7 +206,7 @@ def log_generation(ckpt: Path | None, g: dict) -> None:
         return
     step = json.loads((ckpt / "manifest.json").read_text()).get("step")
     record = {"step": step, "split": "gen", "source": "eval",
-              **{k: v for k, v in g.items() if isinstance(v, (int, float)) and k != "seconds"}}
+              **record_fields(g)}
     with open(run / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     print(f"appended to {run / 'metrics.jsonl'} (split gen, step {step})", file=sys.stderr)

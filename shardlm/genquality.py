@@ -101,13 +101,15 @@ def text_metrics(samples: Sequence[str], references: Sequence[str] | None = None
 
 
 # ---- held-out prompts, sampled continuations and their features ------------------------------------------
-def held_out_prompts(tokens: np.ndarray, seq_len: int, n: int, prompt_len: int) -> tuple[list, list]:
+def held_out_prompts(tokens: np.ndarray, seq_len: int, n: int, prompt_len: int,
+                     option: str = "--generation") -> tuple[list, list]:
     """(prompt ids, true continuation ids) of `n` blocks of `seq_len` tokens spread evenly over `tokens`:
-    each block's first `prompt_len` tokens and the rest. Deterministic, so a run gives the same prompts."""
+    each block's first `prompt_len` tokens and the rest. Deterministic, so a run gives the same prompts.
+    `option` is what set `n`, named in the error."""
     blocks = (len(tokens) - 1) // seq_len
     if blocks < n:
-        raise ShardlmError(f"--generation {n} needs {n} held-out blocks of {seq_len} tokens, but the validation "
-                           f"data holds {max(blocks, 0)}: lower --generation or data.seq_len, or give more data "
+        raise ShardlmError(f"{option} {n} needs {n} held-out blocks of {seq_len} tokens, but the validation "
+                           f"data holds {max(blocks, 0)}: lower {option} or data.seq_len, or give more data "
                            "(data.val=FILE).")
     starts = np.linspace(0, blocks - 1, n).round().astype(np.int64) * seq_len
     rows = [np.asarray(tokens[s:s + seq_len]).tolist() for s in starts]
@@ -135,6 +137,11 @@ def last_hidden_features(model, sequences: list[list[int]], batch_size: int = 16
             last = torch.tensor([len(s) - 1 for s in batch], device=device)
             out.append(hidden[torch.arange(len(batch), device=device), last].float().cpu().numpy())
     return np.concatenate(out)
+
+
+def record_fields(g: dict[str, Any]) -> dict[str, int | float]:
+    """The numbers of a `generation_quality` result that go into a metrics record (split "gen")."""
+    return {k: v for k, v in g.items() if isinstance(v, (int, float)) and k != "seconds"}
 
 
 def sample_continuations(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from shardlm import ShardlmError, tracking
+from shardlm import tracking
 from shardlm.build import Run, build
 from shardlm.callbacks import GenerationQuality
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
@@ -63,10 +63,8 @@ def generation_callback(run: Run) -> list[GenerationQuality]:
     for module in MODULES:
         require(module)
     val = run.val
-    try:
-        held_out_prompts(val.tokens[val.start:val.end], val.seq_len, t.gen_samples, val.seq_len // 2)
-    except ShardlmError as e:
-        raise ShardlmError(str(e).replace("--generation", "train.gen_samples")) from None
+    held_out_prompts(val.tokens[val.start:val.end], val.seq_len, t.gen_samples, val.seq_len // 2,
+                     option="train.gen_samples")
     return [GenerationQuality(t.gen_every, t.gen_samples)]
 
 
