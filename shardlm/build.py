@@ -101,7 +101,9 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
         parallelize(model, cfg, pl, dist)
         materialize(model, cfg, hf_cfg, dist)
     else:
-        model = CausalLM(_initial_hf(cfg, hf_cfg), chunk).to(dist.device)
+        model = CausalLM(_initial_hf(cfg, hf_cfg), chunk)
+        if dist.device.type != "xla":  # shardlm.xla moves it itself, keeping tied weights tied
+            model.to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model
 
@@ -116,7 +118,8 @@ def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
             seen.add(id(p))
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=True)
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")  # XLA: foreach, traced into the step's graph
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused, foreach=not fused)
 
     def lr_factor(step: int) -> float:
         if step < t.warmup_steps:
@@ -135,7 +138,7 @@ def count_steps(cfg: Config, train: Blocks, world: int) -> int:
     if len(train) < global_batch:
         raise ShardlmError(
             f"the training data has {len(train)} blocks of {cfg.data.seq_len} tokens, fewer than one global "
-            f"batch of {global_batch} (= {world} ranks x train.batch_size={t.batch_size} x "
+            f"batch of {global_batch} (= {world} devices x train.batch_size={t.batch_size} x "
             f"train.grad_accum={t.grad_accum}). Use more data or lower train.batch_size / data.seq_len.")
     if t.max_steps is not None:
         return t.max_steps
@@ -151,7 +154,7 @@ def build(cfg: Config) -> Run:
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)
-    total = count_steps(cfg, train, d.world_size)
+    total = count_steps(cfg, train, d.data_parallel)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, hf_cfg, pl, d)
     optimizer, scheduler = build_optimizer(model, cfg, total)

@@ -99,7 +99,7 @@ class GenerationQuality(Callback):
         from shardlm.genquality import generation_quality, record_fields
 
         run = trainer.run
-        hf = gather_hf_model(run.model, run.hf_config, run.dist, str(run.dist.device))
+        hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)
         if hf is not None:
             val = run.val
             g = generation_quality(hf.eval(), run.tokenizer, val.tokens[val.start:val.end], val.seq_len,

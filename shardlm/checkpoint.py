@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardlm import ShardlmError, __version__, lora
+from shardlm import ShardlmError, __version__, lora, xla
 from shardlm.config import save_config
 
 if TYPE_CHECKING:
@@ -168,7 +168,10 @@ class OptimizerState:
 
 
 class RngState:
-    """Python, NumPy, torch (and CUDA) generators of this rank, as JSON."""
+    """Python, NumPy, torch (and CUDA or XLA) generators of this rank, as JSON."""
+
+    def __init__(self, xla_device: bool = False):
+        self.xla = xla_device
 
     def state_dict(self) -> dict[str, Any]:
         np_state = np.random.get_state(legacy=False)
@@ -177,6 +180,8 @@ class RngState:
         state = {"python": [version, list(internal), gauss], "numpy": np_state, "torch": torch.get_rng_state().tolist()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state().tolist()
+        if self.xla:
+            state["xla"] = xla.rng_state()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -188,6 +193,8 @@ class RngState:
         torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+        if "xla" in state and self.xla:
+            xla.set_rng_state(state["xla"])
 
 
 # Where each part of a checkpoint goes: tensors into DCP's shards; per-rank parts into PART_rankNNNNN.json;
@@ -204,7 +211,7 @@ def model_parts(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def stateful_parts(run: Run, train_state: Stateful) -> dict[str, Stateful]:
     """Everything a resume restores: model, optimizer, schedule, the trainer's own state and the RNG."""
     return {**model_parts(run.model, run.optimizer, lora.enabled(run.cfg)), "scheduler": run.scheduler,
-            "train_state": train_state, "rng": RngState()}
+            "train_state": train_state, "rng": RngState(run.dist.device.type == "xla")}
 
 
 class Checkpointer:
@@ -269,7 +276,8 @@ class Checkpointer:
 
     # ---- save ----------------------------------------------------------------------------------------
     def _sharded(self) -> dict[str, Any]:
-        return {name: self.parts[name].state_dict() for name in SHARDED if name in self.parts}
+        state = {name: self.parts[name].state_dict() for name in SHARDED if name in self.parts}
+        return xla.host_copy(state) if self.dist.device.type == "xla" else state
 
     def base_identity(self) -> dict:
         if self._base is None:
@@ -290,7 +298,7 @@ class Checkpointer:
         began = time.perf_counter()
         try:
             self._write_host_parts(tmp)
-            if self.cfg.async_save:
+            if self.cfg.async_save and self.dist.device.type != "xla":  # XLA: host copies are made already
                 future = dcp.async_save(self._sharded(), checkpoint_id=str(tmp))
                 self.pending = (future, tmp, final, step, began)
                 return final
@@ -374,6 +382,8 @@ class Checkpointer:
         dcp.load(sharded, checkpoint_id=str(path))
         for name, state in sharded.items():
             self.parts[name].load_state_dict(state)
+        if self.dist.device.type == "xla":
+            xla.shard_parameters(self.run.model, self.run.optimizer)
         saved = json.loads((path / "trainer_state.json").read_text())
         for name, part in self.parts.items():
             if name in PER_RANK:

@@ -122,14 +122,18 @@ def detect_launch(env: Mapping[str, str] | None = None, launcher: str = "auto") 
 
 
 class Dist:
-    """The process group and device of this process; a single process has no group at all."""
+    """The process group and device of this process; a single process has no group at all. `devices` is how
+    many devices this process drives: 1, or every device of the host on XLA (SPMD, shardlm.xla)."""
 
-    def __init__(self, info: LaunchInfo, device: torch.device):
-        self.info, self.device = info, device
+    def __init__(self, info: LaunchInfo, device: torch.device, devices: int = 1):
+        self.info, self.device, self.devices = info, device, devices
 
     rank = property(lambda self: self.info.rank)
     world_size = property(lambda self: self.info.world_size)
+    data_parallel = property(lambda self: self.info.world_size * self.devices)  # micro-batches per micro-step
     is_main = property(lambda self: self.info.rank == 0)
+    # HF's generate grows its input a token at a time: XLA would compile a graph per length, so it runs on the host
+    generation_device = property(lambda self: "cpu" if self.device.type == "xla" else str(self.device))
     distributed = property(lambda self: self.info.world_size > 1)
 
     def print(self, *args, **kwargs) -> None:
@@ -168,6 +172,10 @@ class Dist:
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
+    from shardlm import xla
+
+    if xla.wanted(kind):
+        return xla.start()
     if kind == "cuda" and not torch.cuda.is_available():
         raise ShardlmError("parallel.device=cuda but no CUDA device is visible. Use parallel.device=auto or cpu.")
     if kind in ("auto", "cuda") and torch.cuda.is_available():
@@ -180,7 +188,12 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
 
 def init(info: LaunchInfo, device: torch.device, timeout_s: int = 600, force_group: bool = False) -> Dist:
     """Start the process group (NCCL on GPUs, gloo on CPUs). A single process gets a 1-rank group only
-    when `force_group` (FSDP on one device, e.g. for CPU offload); otherwise it trains without one."""
+    when `force_group` (FSDP on one device, e.g. for CPU offload); otherwise it trains without one.
+    An XLA process has no group: it drives every device of its host itself (SPMD)."""
+    if device.type == "xla":
+        from shardlm import xla
+
+        return Dist(info, device, xla.device_count())
     if dist.is_initialized() or (info.world_size == 1 and not force_group):
         return Dist(info, device)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -20,6 +20,10 @@ PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 9
 
 
 def peak_flops(device: torch.device) -> float | None:
+    if device.type == "xla":
+        from shardlm.xla import peak_flops_per_device
+
+        return peak_flops_per_device()
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -44,6 +48,12 @@ def eval_summary(loss_sum: float, correct: float, tokens: float) -> dict[str, fl
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    if device.type == "xla":
+        from shardlm.xla import peak_memory_bytes as xla_peak
+
+        peak = xla_peak(device)
+        if peak is not None:
+            return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -64,7 +64,7 @@ def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int
     logits = batch * seq_len * vocab * 4
     if compiled and device.type == "cuda":
         return 0 if logits <= 8 * 2**30 else 4096
-    return 0 if logits <= (2**30 if device.type == "cuda" else 64 * 2**20) else 1024
+    return 0 if logits <= (2**30 if device.type in ("cuda", "xla") else 64 * 2**20) else 1024
 
 
 def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:

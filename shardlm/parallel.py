@@ -43,6 +43,12 @@ class Plan:
 
 def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.device) -> Plan:
     p = cfg.parallel
+    if device.type == "xla":
+        from shardlm import xla
+
+        xla.check(p, world_size)
+        return Plan(use_fsdp=False, mesh_shape=(), reshard_after_forward=True, dtype=DTYPES[p.precision],
+                    compile="false")
     if p.precision == "fp16" and device.type == "cpu":
         raise ShardlmError("parallel.precision=fp16 needs a GPU: CPUs have no fast fp16 math. "
                            "Use parallel.precision=fp32 (or bf16) on CPU.")
@@ -113,6 +119,12 @@ def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Modul
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = transformer_blocks(model.hf)
+    if dist.device.type == "xla":  # SPMD FSDPv2: the mesh and shardings of shardlm.xla, no fully_shard
+        from shardlm import xla
+
+        p = cfg.parallel
+        return xla.parallelize(model, blocks, dist.device, p.sharding, p.shard_size or None, dist.devices,
+                               p.activation_checkpointing)
     if cfg.parallel.precision == "fp8":
         from shardlm.fp8 import convert_to_float8
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardlm import lora
+from shardlm import lora, xla
 from shardlm.metrics import (
     Eta,
     MetricsLog,
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 
 def global_batch(run: Run) -> int:
-    """Blocks per optimizer step, over all ranks."""
-    return run.dist.world_size * run.cfg.train.batch_size * run.cfg.train.grad_accum
+    """Blocks per optimizer step, over all ranks (and all devices of an XLA process)."""
+    return run.dist.data_parallel * run.cfg.train.batch_size * run.cfg.train.grad_accum
 
 
 def model_flops_per_token(run: Run) -> float:
@@ -60,6 +60,8 @@ def run_header(run: Run) -> str:
     if pl.use_fsdp:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
                  f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}")
+    elif d.device.type == "xla":
+        where = f"1 process, XLA SPMD over {d.devices} device(s), FSDPv2 {cfg.parallel.sharding}"
     else:
         where = "1 process, no FSDP (launch with --nproc N or torchrun to shard)"
     extras = [n for n, on in (("activation checkpointing", cfg.parallel.activation_checkpointing),
@@ -123,12 +125,13 @@ class Reporter:
         self.dist.all_reduce_sum(self.loss_sum)
         loss = (self.loss_sum[0] / (self.steps * self.tokens_per_step)).item()
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
-        mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.world_size) if self.peak_flops else None
+        mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.data_parallel) if self.peak_flops else None
         self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
                         "peak_mem_gb": peak_memory_bytes(self.device) / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
                         **gpu_utilization(self.device),
+                        **({"xla_compilations": xla.compilations()} if self.device.type == "xla" else {}),
                         **({"tokens_by_source": tokens_by_source} if tokens_by_source is not None else {})})
         evals_left = self._left(step, self.run.cfg.train.eval_every) + 1  # + the final one
         remaining = self.eta.remaining(step, evals_left, self._left(step, self.save_every))

@@ -44,7 +44,7 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
             out = export(run.out_dir, run.out_dir / "hf")
             print(f"exported Hugging Face model to {out}", flush=True)
     if cfg.train.sample_tokens > 0 and trainer.step > 0:
-        hf = gather_hf_model(run.model, run.hf_config, run.dist, str(run.dist.device))
+        hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)
         if hf is not None:
             text = generate_text(hf, run.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
                                  temperature=0.8, top_k=200, seed=cfg.train.seed)[0]

@@ -18,7 +18,7 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from shardlm import ShardlmError, reporting
+from shardlm import ShardlmError, reporting, xla
 from shardlm.build import Run, build
 from shardlm.callbacks import Callbacks
 from shardlm.checkpoint import Checkpointer, stateful_parts
@@ -51,7 +51,8 @@ class Trainer:
         self.run, self.cfg, self.dist, self.model = run, run.cfg, run.dist, run.model
         self.device = self.dist.device
         t = self.cfg.train
-        self.batch, self.seq_len, self.accum = t.batch_size, self.cfg.data.seq_len, t.grad_accum
+        # An XLA process drives every device of its host: its micro-batch is theirs, in device order
+        self.batch, self.seq_len, self.accum = t.batch_size * self.dist.devices, self.cfg.data.seq_len, t.grad_accum
         self.global_batch = reporting.global_batch(run)  # blocks per optimizer step
         self.sampler = train_sampler(run.train, t.seed)
         self.step, self.position, self.bad_steps, self.skipped_steps = 0, 0, 0, 0
@@ -59,6 +60,7 @@ class Trainer:
         self.callbacks = Callbacks(callbacks)
         self.fp8 = self.cfg.parallel.precision == "fp8"
         self.params = list(self.model.parameters())
+        self.xla = self.device.type == "xla"
         self.prefetch = self.device.type == "cuda" if prefetch is None else prefetch
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
@@ -117,6 +119,8 @@ class Trainer:
         batch = blocks.get(indices)
         if self.device.type == "cuda":
             return batch.pin_memory().to(self.device, non_blocking=True)
+        if self.xla:
+            return xla.to_device(batch, self.device)
         return batch
 
     def _indices(self, position: int, m: int) -> np.ndarray:
@@ -160,6 +164,8 @@ class Trainer:
     def _grad_norm(self) -> float:
         max_norm = self.cfg.train.grad_clip or float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if self.xla:  # forward + backward + clip as one graph, before the host reads the norm
+            xla.sync()
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)  # one host sync per optimizer step, needed to skip bad steps
@@ -185,6 +191,8 @@ class Trainer:
             if self.fp8:
                 after_optimizer_step(self.model)
         opt.zero_grad(set_to_none=True)
+        if self.xla:  # the optimizer step as a second graph
+            xla.sync()
         applied = finite or self.scaler is not None
         self.bad_steps = 0 if applied else self.bad_steps + 1
         self.skipped_steps += 0 if applied else 1
@@ -216,12 +224,14 @@ class Trainer:
             valid = torch.from_numpy(indices >= 0)
             tokens = self._batch(val, np.where(indices >= 0, indices, 0))
             targets = tokens[:, 1:].clone()
-            targets[~valid.to(self.device)] = -100
+            targets = targets.masked_fill(~valid.to(self.device)[:, None], -100)  # static shapes (XLA)
             with self.autocast():
                 loss_sum, correct = self.model(tokens[:, :-1], targets)
             sums += torch.stack([loss_sum.double(), correct.double(),
                                  torch.tensor(float(valid.sum() * self.seq_len), device=self.device,
                                               dtype=torch.float64)])
+            if self.xla:  # one graph per batch, not one growing over the whole evaluation
+                xla.sync()
         self.dist.all_reduce_sum(sums)
         return eval_summary(*sums.tolist())
 
