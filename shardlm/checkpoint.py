@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 # One process without a process group saves and loads through the same DCP path; DCP warns about it.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch 2.9's DCP writer
 
 ARCH_KEYS = ("model_type", "n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "num_hidden_layers",
              "hidden_size", "num_attention_heads", "max_position_embeddings")

@@ -66,6 +66,7 @@ def start() -> torch.device:
     tensor, so this comes first in a run."""
     if not importable():
         raise ShardlmError(f"parallel.device=xla but torch_xla is not installed. Install it: {INSTALL}.")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # XLA's per-compilation GSPMD deprecation notice
     import torch_xla
     import torch_xla.runtime as xr
 
@@ -154,10 +155,19 @@ def shard_parameters(model: nn.Module, optimizer: torch.optim.Optimizer | None =
 def checkpointed(block: nn.Module) -> nn.Module:
     """torch_xla's checkpoint puts an optimization barrier around the recomputation; plain torch.utils.checkpoint
     would let XLA's common-subexpression pass merge it with the forward, saving nothing."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.REENTRANT, checkpoint_fn=_xla_checkpoint)
+
+
+def _xla_checkpoint(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """torch_xla's checkpoint (reentrant only) takes positional inputs: HF blocks get their masks and positions
+    as keywords, bound here."""
+    import functools
+
     from torch_xla.utils.checkpoint import checkpoint
 
-    return checkpoint_wrapper(block, checkpoint_fn=checkpoint, use_reentrant=False)
+    return checkpoint(functools.partial(module, **kwargs), *args)
 
 
 def _shard_batch_of_output(_module: nn.Module, _inputs: Any, output: Any) -> None:
@@ -249,8 +259,8 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     if len(shards) == 1 or shards[0].indices is Ellipsis:
         return shards[0].data.clone() if shards[0].indices is Ellipsis else tensor.cpu()
     full = torch.empty(tensor.shape, dtype=tensor.dtype)
-    for shard in shards:
-        full[tuple(shard.indices)] = shard.unpadded_data
+    for shard in shards:  # a shard's data may carry padding beyond the tensor's end
+        full[tuple(shard.indices)] = shard.data[tuple(slice(0, s.stop - s.start) for s in shard.indices)]
     return full
 
 

@@ -25,6 +25,24 @@ def test_infeasible_parallel_plans(overrides, world, local, message):
         plan(load_config(None, overrides), world, local, CPU)
 
 
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.precision=fp16"], 1, "precision=fp16 is not supported on XLA.*parallel.precision=bf16"),
+    (["parallel.compile=model"], 1, "compile=model is not supported on XLA.*compiles every step's graph itself"),
+    (["parallel.sharding=hybrid_grad"], 1, "sharding=hybrid_grad is not supported on XLA.*hybrid_full"),
+    ([], 2, "with 2 launched processes.*without torchrun"),
+])
+def test_what_xla_cannot_do_is_refused_before_any_work(overrides, world, message):
+    with pytest.raises(ShardlmError, match=message):  # config values only: no torch_xla needed
+        plan(load_config(None, overrides), world, world, torch.device("xla"))
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torch_xla") is not None, reason="torch_xla is installed")
+def test_xla_without_torch_xla_says_how_to_install(corpus, cache_dir, tmp_path):
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"parallel.device": "xla"})], check=False)
+    assert proc.returncode == 2 and "torch_xla is not installed" in proc.stderr and "make test-xla" in proc.stderr
+    assert not tmp_path.joinpath("metrics.jsonl").exists()
+
+
 def test_tokenizer_larger_than_model_vocab(tmp_path):
     byte_gpt2_config(n_positions=1024).save_pretrained(tmp_path)
     cfg = load_config(None, [f"model.name={tmp_path}", "model.tokenizer=gpt2"])
