@@ -2,6 +2,8 @@
 # make test: fresh venv, install, run the test suite
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
+# make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~5 GB from PyPI, ~3.5 min
+#   to install here, so not part of `make test`), then tests/test_xla.py on XLA:CPU through PJRT (~4 min on 2 cores).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -11,7 +13,9 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install install-test demo test lint clean gpu-check
+XLA_VENV ?= .venv-xla
+
+.PHONY: install install-test demo test lint clean gpu-check test-xla
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -43,5 +47,12 @@ lint: install-test
 gpu-check:
 	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)
 
+test-xla:
+	@test -x $(XLA_VENV)/bin/python || python3 -m venv $(XLA_VENV)
+	@$(XLA_VENV)/bin/python -c "import torch_xla" 2>/dev/null || \
+	  $(XLA_VENV)/bin/pip install -q torch==2.9.0 torch-xla==2.9.0
+	$(XLA_VENV)/bin/pip install -q -e . pytest
+	PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 $(XLA_VENV)/bin/python -m pytest -p no:cacheprovider tests/test_xla.py
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(XLA_VENV) runs .pytest_cache

@@ -178,7 +178,8 @@ class RngState:
         np_state = np.random.get_state(legacy=False)
         np_state["state"] = {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}
         version, internal, gauss = random.getstate()
-        state = {"python": [version, list(internal), gauss], "numpy": np_state, "torch": torch.get_rng_state().tolist()}
+        state: dict[str, Any] = {"python": [version, list(internal), gauss], "numpy": np_state,
+                                 "torch": torch.get_rng_state().tolist()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state().tolist()
         if self.xla:

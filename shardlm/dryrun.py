@@ -54,10 +54,12 @@ def _model_lines(cfg: Config) -> list[str]:
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
+    from shardlm import xla
     from shardlm.dist import pick_device
     from shardlm.parallel import plan
 
-    device = pick_device(cfg.parallel.device, 0) if cfg.parallel.device != "auto" else \
+    explicit = cfg.parallel.device != "auto" or xla.wanted("auto")
+    device = pick_device(cfg.parallel.device, 0) if explicit else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pl = plan(cfg, world_size, world_size, device)
     train = cfg.data.train

@@ -67,3 +67,10 @@ def test_resume_is_exact_compilations_stay_bounded_and_the_export_loads_on_cpu(c
     assert text == from_ckpt.rstrip("\n") and text.startswith(prompt)
     result = json.loads(shardlm_cli(["eval", str(tmp_path / "ref"), "data.val=" + str(corpus)]).stdout.splitlines()[-1])
     assert result["loss"] > 0
+
+
+def test_a_hybrid_group_that_does_not_divide_the_devices_is_one_line(corpus, cache_dir, tmp_path):
+    args = tiny(corpus, cache_dir, tmp_path, **{"parallel.device": "xla", "parallel.sharding": "hybrid_full",
+                                                "parallel.shard_size": 4})
+    proc = shardlm_cli(["train", *args], env=xla_env(2), check=False)
+    assert proc.returncode == 2 and "shard_size to divide the 2 XLA devices: 4 does not" in proc.stderr
