@@ -77,7 +77,9 @@ def collect() -> dict:
     except Exception as e:  # noqa: BLE001 - a half-set launcher environment is exactly what a report should show
         launcher = {"launcher": "unknown", "error": str(e)}
     return {
-        "versions": {"python": sys.version.split()[0], **{name: package_version(name) for name in PACKAGES}},
+        # torch's own version string keeps the build tag (+cu128, +cpu) that PyPI wheels leave out of their metadata
+        "versions": {"python": sys.version.split()[0], **{name: package_version(name) for name in PACKAGES},
+                     "torch": torch.__version__},
         "shardlm_path": os.path.dirname(os.path.abspath(shardlm.__file__)),
         "platform": platform.platform(),
         "torch_build": _torch_build(torch),

@@ -57,8 +57,11 @@ def importable() -> bool:
 
 
 def wanted(kind: str) -> bool:
-    """`parallel.device`: xla, or auto when a PJRT device is named (PJRT_DEVICE) and torch_xla is installed."""
-    return kind == "xla" or (kind == "auto" and bool(os.environ.get("PJRT_DEVICE")) and importable())
+    """`parallel.device`: xla, or auto when PJRT_DEVICE names an accelerator (TPU, CUDA, NEURON) and torch_xla is
+    installed. PJRT_DEVICE=CPU takes `xla` explicitly: importing torch_xla sets PJRT_DEVICE=CPU where it is unset
+    (transformers imports it merely to ask whether it is there), and XLA:CPU is a test vehicle, not a fast path."""
+    pjrt = os.environ.get("PJRT_DEVICE", "").upper()
+    return kind == "xla" or (kind == "auto" and pjrt not in ("", "CPU") and importable())
 
 
 def start() -> torch.device:

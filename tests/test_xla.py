@@ -31,10 +31,23 @@ def train(corpus, cache_dir, out, devices: int, **extra):
     (2, {"parallel.activation_checkpointing": True}),
 ])
 def test_loss_equals_the_plain_cpu_run_on_the_same_global_batch(corpus, cache_dir, tmp_path, devices, extra):
+    assert_parity(corpus, cache_dir, tmp_path, devices, extra)
+
+
+def test_lora_on_xla_equals_lora_on_cpu(corpus, cache_dir, tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    from helpers import byte_gpt2_config, save_hf_folder
+
+    base = save_hf_folder(GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=32, n_head=2)), tmp_path / "base")
+    assert_parity(corpus, cache_dir, tmp_path, 2, {"model.name": base, "lora.r": 4, "lora.dropout": 0.0})
+
+
+def assert_parity(corpus, cache_dir, tmp_path, devices: int, extra: dict) -> None:
     proc = train(corpus, cache_dir, tmp_path / "xla", devices, **extra)
     assert f"XLA SPMD over {devices} device(s)" in proc.stdout
     cpu = tiny(corpus, cache_dir, tmp_path / "cpu", **{"train.max_steps": STEPS, "train.batch_size": 4 * devices,
-                                                       "model.dropout": 0.0})
+                                                       "model.dropout": 0.0, **extra})
     shardlm_cli(["train", *cpu], env={"PJRT_DEVICE": ""})
     assert losses(tmp_path / "xla") == pytest.approx(losses(tmp_path / "cpu"), rel=1e-4)
     assert len(losses(tmp_path / "xla")) == STEPS
