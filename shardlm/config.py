@@ -114,7 +114,7 @@ class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
     compile: str = "auto"  # model (whole model + loss), blocks (each block), false; auto = model on CUDA, else false
     prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
-    device: str = "auto"  # auto (cuda if visible; xla if PJRT_DEVICE names an accelerator and torch_xla imports), cpu, cuda, xla
+    device: str = "auto"  # auto (cuda if visible; xla if PJRT_DEVICE names an accelerator), cpu, cuda or xla
     launcher: str = "auto"  # auto, torchrun, slurm, mpi or single
     timeout_s: int = 600  # collective timeout: a dead rank brings the others down after this
 
