@@ -94,8 +94,8 @@ def check(parallel: Any, world_size: int) -> None:
             raise ShardlmError(f"parallel.{key}={str(value).lower()} is not supported on XLA: {why}.")
     if world_size > 1:
         raise ShardlmError(f"parallel.device=xla with {world_size} launched processes: on XLA one process drives "
-                           "every device of the host (SPMD). Start `shardlm train` once, without torchrun/srun/mpiexec."
-                           )
+                           "every device of the host (SPMD). Start `shardlm train` once, without a launcher "
+                           "(torchrun, srun, mpiexec).")
 
 
 def mesh(strategy: str, devices: int, shard_size: int | None):

@@ -29,7 +29,7 @@ def test_infeasible_parallel_plans(overrides, world, local, message):
     (["parallel.precision=fp16"], 1, "precision=fp16 is not supported on XLA.*parallel.precision=bf16"),
     (["parallel.compile=model"], 1, "compile=model is not supported on XLA.*compiles every step's graph itself"),
     (["parallel.sharding=hybrid_grad"], 1, "sharding=hybrid_grad is not supported on XLA.*hybrid_full"),
-    ([], 2, "with 2 launched processes.*without torchrun"),
+    ([], 2, "with 2 launched processes.*without a launcher"),
 ])
 def test_what_xla_cannot_do_is_refused_before_any_work(overrides, world, message):
     with pytest.raises(ShardlmError, match=message):  # config values only: no torch_xla needed
