@@ -29,7 +29,7 @@ def train(corpus, cache_dir, out, devices: int, **extra):
     (1, {}),  # one device
     (4, {"parallel.sharding": "hybrid_full", "parallel.shard_size": 2}),  # 2 replicas x 2 shards
     (2, {"parallel.sharding": "no_shard"}),  # replicated parameters, split batch
-    (2, {"parallel.activation_checkpointing": True}),
+    (2, {"parallel.activation_checkpointing": True, "train.loss_chunk_size": 64}),  # and the chunked loss
 ])
 def test_loss_equals_the_plain_cpu_run_on_the_same_global_batch(corpus, cache_dir, tmp_path, devices, extra):
     assert_parity(corpus, cache_dir, tmp_path, devices, extra)
