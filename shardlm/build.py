@@ -85,9 +85,14 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
             torch.distributed.broadcast(buf, src=0)
 
 
-def _initial_hf(cfg: Config, hf_cfg) -> nn.Module:
-    """The starting HF model on CPU: pretrained or seeded random weights, plus LoRA adapters (seeded) if on."""
-    hf = initial_model(cfg, hf_cfg, cfg.train.seed)
+def _initial_hf(cfg: Config, hf_cfg, device: torch.device | None = None) -> nn.Module:
+    """The starting HF model on CPU: pretrained or seeded random weights, plus LoRA adapters (seeded) if on.
+    QLoRA's 4-bit base is loaded straight onto `device` (bitsandbytes quantizes as it loads)."""
+    if lora.quantized(cfg):
+        assert device is not None
+        hf = lora.quantized_base(cfg, hf_cfg, device)
+    else:
+        hf = initial_model(cfg, hf_cfg, cfg.train.seed)
     return lora.apply(hf, cfg.lora, seed=cfg.train.seed) if lora.enabled(cfg) else hf
 
 
@@ -101,8 +106,8 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
         parallelize(model, cfg, pl, dist)
         materialize(model, cfg, hf_cfg, dist)
     else:
-        model = CausalLM(_initial_hf(cfg, hf_cfg), chunk)
-        if dist.device.type != "xla":  # shardlm.xla moves it itself, keeping tied weights tied
+        model = CausalLM(_initial_hf(cfg, hf_cfg, dist.device), chunk)
+        if dist.device.type != "xla" and not lora.quantized(cfg):  # xla moves it itself; QLoRA's is there
             model.to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model
@@ -149,7 +154,7 @@ def build(cfg: Config) -> Run:
     """Checks that need no data (out_dir, tokenizer, the model's config against data.seq_len) come before
     tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
-    lora.check(cfg, d.device)  # QLoRA's refusal comes before any data work
+    lora.check(cfg, d.device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)

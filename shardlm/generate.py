@@ -34,7 +34,7 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
     state = plain_state_dict(state)
     from shardlm.lora import inference_state  # LoRA: fold the adapters into the base weights
 
-    state = inference_state(state, model)
+    state = inference_state(state, model, hf_config)
     hf = empty_model(hf_config, "meta")
     hf.load_state_dict({k.removeprefix("hf."): v for k, v in state.items()}, assign=True, strict=False)
     fill_meta_buffers(hf)  # non-persistent buffers (rotary tables) are in no state dict

@@ -23,6 +23,7 @@ Design:
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -40,16 +41,82 @@ def enabled(cfg: Config) -> bool:
     return cfg.lora.r > 0
 
 
-def check(cfg: Config, device: torch.device | None = None) -> None:
-    """QLoRA, the one LoRA refusal that depends on the device (the settings are checked with the config)."""
-    if not enabled(cfg) or cfg.lora.quantize != "nf4":
+def check(cfg: Config, device: torch.device | None = None, sharded: bool = False) -> None:
+    """QLoRA's refusals that depend on the device and the plan (the settings are checked with the config)."""
+    if not quantized(cfg):
         return
     cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
     if not cuda:
         raise ShardlmError("lora.quantize=nf4 (QLoRA) needs a CUDA GPU (bitsandbytes 4-bit kernels); this run "
                            "is on CPU. Use lora.quantize=null (LoRA on full-precision base weights) on CPU.")
-    raise ShardlmError("lora.quantize=nf4 (QLoRA) is not implemented under FSDP2 in this version. Use "
-                       "lora.quantize=null (LoRA on bf16 base weights: parallel.precision=bf16).")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ShardlmError("lora.quantize=nf4 (QLoRA) needs the bitsandbytes package, which is not installed: "
+                           "pip install shardlm[qlora] (or set lora.quantize=null).")
+    if sharded:
+        raise ShardlmError("lora.quantize=nf4 (QLoRA) runs in one process on one GPU: bitsandbytes keeps each 4-bit "
+                           "weight's quantization state on the parameter, which FSDP2's sharded parameters do not "
+                           "carry. Launch one process (parallel.fsdp=null, no cpu_offload), or spread the base over "
+                           "GPUs with lora.quantize=null, parallel.precision=bf16 and parallel.sharding=full.")
+
+
+def quantized(cfg: Config) -> bool:
+    return enabled(cfg) and cfg.lora.quantize == "nf4"
+
+
+def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> nn.Module:
+    """QLoRA's frozen base (`lora.quantize=nf4`): the pretrained model loaded straight onto `device` with every
+    linear layer but the head in 4-bit NormalFloat with double quantization (bitsandbytes, the QLoRA paper's
+    recipe), dequantized per matmul to the compute dtype of parallel.precision; norms and embeddings stay fp32
+    (PEFT's prepare_model_for_kbit_training)."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from shardlm.hub import hub_kwargs
+    from shardlm.model import attention, model_source
+
+    assert cfg.model.name is not None  # config validation: LoRA adapts a named base
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.parallel.precision, torch.float32)
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                             bnb_4bit_compute_dtype=compute)
+    source = model_source(cfg.model.name)
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(source, config=hf_cfg, quantization_config=nf4,
+                                                  device_map={"": str(device)}, dtype=torch.float32,
+                                                  attn_implementation=attention(hf_cfg),
+                                                  trust_remote_code=cfg.model.trust_remote_code, **hub_kwargs(source))
+    except (OSError, ValueError) as e:
+        raise ShardlmError(f"cannot load weights of '{cfg.model.name}' in 4 bits: {str(e).splitlines()[0][:200]}"
+                           ) from None
+    return prepare_model_for_kbit_training(hf, use_gradient_checkpointing=False)  # AC is parallelize's
+
+
+def _dequantized(state: dict, model: nn.Module) -> tuple[dict, set[str]]:
+    """`state` with each 4-bit base weight of a QLoRA `model` as a float (out, in) tensor and bitsandbytes'
+    quantization entries dropped, and the keys of those weights."""
+    import bitsandbytes as bnb  # only called where a 4-bit layer exists, i.e. bitsandbytes is installed
+
+    out, keys = dict(state), set()
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):  # names as in state dicts: without AC / compile wrappers
+            key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") + ".weight"
+            for extra in [k for k in out if k.startswith(key + ".")]:
+                del out[extra]
+            out[key] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()
+            keys.add(key)
+    return out, keys
+
+
+def _conv1d_layout(state: dict, keys: set[str], hf_config) -> dict:
+    """Weights that bitsandbytes held as (out, in) Linear4bit back in the (in, out) layout of GPT-2's Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    from shardlm.model import empty_model
+
+    plain = dict(empty_model(hf_config, "meta").named_modules())
+    for key in {k.replace(".base_layer.", ".") for k in keys}:
+        if isinstance(plain.get(key.removeprefix("hf.").removesuffix(".weight")), Conv1D):
+            state[key] = state[key].T.contiguous()
+    return state
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -144,16 +211,19 @@ def count(model: nn.Module) -> tuple[int, int]:
     return num_params(model, trainable_only=True), num_params(model)
 
 
-def inference_state(state: dict, model: nn.Module) -> dict:
+def inference_state(state: dict, model: nn.Module, hf_config=None) -> dict:
     """`state` (of `model`, a CausalLM or HF model, LoRA-injected or not) with any adapters merged,
     W + (alpha / r) * B @ A with `base_layer.` dropped: a state dict a plain HF model of the same architecture
-    loads. A no-op for full fine-tuning. For inference on gathered training weights (the sample at the end of
-    training); the exports use PEFT's own `merge_and_unload`."""
+    loads. A QLoRA model's 4-bit base weights are dequantized first (`hf_config` gives the plain layout). A no-op
+    for full fine-tuning. For inference on gathered training weights (the sample at the end of training,
+    train.gen_every); the exports use PEFT's own `merge_and_unload` on the full-precision base."""
     configs = getattr(getattr(model, "hf", model), "peft_config", None)
     if not configs or not any(is_adapter_key(k) for k in state):
         return state
     pc = configs[ADAPTER]
-    return _merged(state, pc.lora_alpha / pc.r, transpose=pc.fan_in_fan_out)
+    state, four_bit = _dequantized(state, model) if any(k.endswith(".quant_map") for k in state) else (state, set())
+    merged = _merged(state, pc.lora_alpha / pc.r, transpose=pc.fan_in_fan_out)
+    return _conv1d_layout(merged, four_bit, hf_config) if four_bit else merged
 
 
 def _merged(state: dict, scale: float, transpose: bool) -> dict:

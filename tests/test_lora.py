@@ -11,7 +11,7 @@ import pytest
 import torch
 from faults import SigtermAt, fault
 
-from helpers import byte_gpt2_config, records, save_hf_folder, shardlm_cli, tiny
+from helpers import byte_gpt2_config, on_cuda, records, save_hf_folder, shardlm_cli, tiny
 from shardlm import ShardlmError
 
 STEPS = 8
@@ -229,3 +229,54 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
         with pytest.raises(ShardlmError, match=expect) as err:
             train_in_process(args)
     assert "\n" not in str(err.value)  # the CLI prints a ShardlmError as one `error: ...` line (test_errors)
+
+
+def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, runs, corpus, cache_dir, tmp_path,
+                                                                       monkeypatch):
+    """QLoRA's path, run on bitsandbytes' CPU backend (a run is CUDA-only: that one check is lifted here): the
+    base's linears hold 4-bit weights, only the adapters train, the first loss is the full-precision LoRA run's
+    up to the quantization error (and not equal to it), and the weights gathered for the end-of-training sample
+    (dequantized, merged, GPT-2's Conv1D layout restored) give the QLoRA model's own loss."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from shardlm import lora
+    from shardlm.config import load_config
+    from shardlm.generate import gather_hf_model
+    from shardlm.trainer import Trainer
+
+    monkeypatch.setattr(lora, "check", lambda *args, **kwargs: None)
+    folders, _ = bases
+    args = lora_args(corpus, cache_dir, tmp_path, folders["gpt2"], **{"lora.quantize": "nf4", "train.max_steps": 3})
+    trainer = Trainer.from_config(load_config(None, args))
+    four_bit = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(four_bit) == 8 and all(m.weight.dtype == torch.uint8 for m in four_bit)  # 2 blocks x 4 linears
+    assert all(lora.is_adapter_key(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    first = [trainer.train_step()["loss_sum"].item() / (8 * 32) for _ in range(3)][0]
+    full_precision = records(runs["gpt2"])[0]["loss"]
+    assert first != full_precision and first == pytest.approx(full_precision, rel=0.02)
+
+    trainer.model.eval()
+    tokens = trainer.run.train.get(torch.arange(4).numpy())
+    with torch.no_grad():
+        own, _ = trainer.model(tokens[:, :-1], tokens[:, 1:])
+        hf = gather_hf_model(trainer.model, trainer.run.hf_config, trainer.dist)
+        logits = hf(tokens[:, :-1]).logits
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    assert plain.item() == pytest.approx(own.item(), rel=1e-4)
+
+
+@pytest.mark.cuda
+def test_qlora_on_cuda_trains_and_exports(bases, corpus, cache_dir, tmp_path):
+    """The real thing, where there is a GPU (`make gpu-check` runs the cuda-marked tests)."""
+    if not on_cuda():
+        pytest.skip("QLoRA runs on CUDA only")
+    pytest.importorskip("bitsandbytes")
+    folders, digests = bases
+    run = tmp_path / "run"
+    shardlm_cli(["train", *lora_args(corpus, cache_dir, run, folders["llama"], **{
+        "lora.quantize": "nf4", "parallel.precision": "bf16", "checkpoint.export_final": True})])
+    losses = [r["loss"] for r in records(run)]
+    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+    greedy = ["--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "8"]
+    from_ckpt, from_export = (shardlm_cli(["generate", str(path), *greedy]).stdout for path in (run, run / "hf"))
+    assert from_ckpt == from_export
+    assert folder_digest(folders["llama"]) == digests["llama"]  # the base folder is never written
