@@ -280,3 +280,23 @@ def test_qlora_on_cuda_trains_and_exports(bases, corpus, cache_dir, tmp_path):
     from_ckpt, from_export = (shardlm_cli(["generate", str(path), *greedy]).stdout for path in (run, run / "hf"))
     assert from_ckpt == from_export
     assert folder_digest(folders["llama"]) == digests["llama"]  # the base folder is never written
+
+
+def test_qlora_refusals_on_cuda_need_no_gpu(bases, monkeypatch):
+    import importlib.util
+
+    from shardlm import lora
+    from shardlm.config import load_config
+
+    pytest.importorskip("bitsandbytes")
+    folders, _ = bases
+    cfg = load_config(None, [f"model.name={folders['llama']}", "lora.r=4", "lora.quantize=nf4"])
+    cuda = torch.device("cuda")
+    with pytest.raises(ShardlmError, match="runs in one process on one GPU.*lora.quantize=null"):
+        lora.check(cfg, cuda, sharded=True)
+    lora.check(cfg, cuda, sharded=False)  # one process on a GPU: accepted
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else
+                        real(name, *a))
+    with pytest.raises(ShardlmError, match=r"needs the bitsandbytes package.*shardlm\[qlora\]"):
+        lora.check(cfg, cuda)
