@@ -7,7 +7,8 @@ scaled to the batch. The loss adds the logits (full or one chunk). Nothing model
 
 With LoRA (`lora.r > 0`) the adapters are injected into the meta model: parameters count base + adapters, but
 gradients and AdamW state only the adapters, and the block's saved activations are measured with the frozen
-base (what autograd keeps differs: frozen weights need no inputs saved for their gradients).
+base (what autograd keeps differs: frozen weights need no inputs saved for their gradients). QLoRA
+(`lora.quantize=nf4`) holds the blocks' linear weights in 4 bits plus their quantization constants.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from shardlm.model import auto_loss_chunk, empty_model, model_config, num_params
 from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 
 GB = 2**30
+# bitsandbytes NF4 with double quantization: 4 bits a weight, an 8-bit scale per block of 64 weights and an fp32
+# scale per 256 of those (the QLoRA paper's 4.127 bits per parameter)
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 @dataclass
@@ -33,6 +37,14 @@ class Estimate:
     def table(self) -> str:
         rows = [f"  {k:<48} {v / GB:8.3f} GiB" for k, v in self.components.items()]
         return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB"])
+
+
+def four_bit_params(blocks: torch.nn.ModuleList) -> int:
+    """Weights QLoRA holds in 4 bits: every linear layer of the blocks (not the adapters; the head stays fp32)."""
+    from shardlm.lora import _linear_types
+
+    return sum(m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
+               if isinstance(m, _linear_types()) and ".lora_" not in f".{n}")
 
 
 def _meta_model(cfg: Config, hf_cfg):
@@ -87,7 +99,10 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
     on_device = 0.0 if p.cpu_offload else 1.0
     comp: dict[str, float] = {}
-    comp["parameters (fp32, sharded)"] = 4 * total / shard * on_device
+    four_bit = four_bit_params(blocks) if lora.quantized(cfg) else 0
+    comp["parameters (fp32, sharded)"] = 4 * (total - four_bit) / shard * on_device
+    if four_bit:
+        comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
     comp["AdamW state (2 x fp32, sharded)" if trainable == total else "AdamW state (2 x fp32, sharded; adapters)"] = \
         8 * trainable / shard * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
@@ -95,7 +110,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
         comp["gathered parameters"] = 0.0 if both_fp32_whole else (root + held * per_block) * csize
     elif compute != torch.float32:
-        comp["autocast weight copies"] = total * csize
+        comp["autocast weight copies"] = (total - four_bit) * csize  # 4-bit ones are dequantized per matmul
     # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
     # backward and the optimizer step (all gradients live, activations freed). The peak is the larger.
     per_token = block_saved_bytes_per_token(hf_cfg, compute, cfg=cfg)
@@ -128,8 +143,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
-    lines = []
-    for w in world_sizes:
+    lines = ["QLoRA runs in one process on one GPU: estimated for 1 rank"] if lora.quantized(cfg) else []
+    for w in [1] if lora.quantized(cfg) else world_sizes:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {'on' if cfg.parallel.activation_checkpointing else 'off'}, "

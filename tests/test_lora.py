@@ -300,3 +300,30 @@ def test_qlora_refusals_on_cuda_need_no_gpu(bases, monkeypatch):
                         real(name, *a))
     with pytest.raises(ShardlmError, match=r"needs the bitsandbytes package.*shardlm\[qlora\]"):
         lora.check(cfg, cuda)
+
+
+def test_qlora_estimate_counts_what_bitsandbytes_holds(tmp_path, monkeypatch):
+    """The 4-bit weights and their constants, as `shardlm estimate` counts them, against the bytes of a real
+    bitsandbytes NF4 model (CPU backend; a Llama base big enough that per-layer constants do not dominate)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardlm import lora
+    from shardlm.config import load_config
+    from shardlm.estimate import estimate
+    from shardlm.model import model_config
+    from shardlm.tokenizer import model_tokenizer
+
+    base = save_hf_folder(LlamaForCausalLM(LlamaConfig(
+        hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4, vocab_size=257,
+        bos_token_id=256, eos_token_id=256)), tmp_path / "base")
+    cfg = load_config(None, [f"model.name={base}", "lora.r=8", "lora.quantize=nf4", "data.seq_len=32"])
+    hf_cfg = model_config(cfg, model_tokenizer(cfg.model))
+    hf = lora.quantized_base(cfg, hf_cfg, torch.device("cpu"))
+    held = 0
+    for m in hf.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            held += m.weight.numel() * m.weight.element_size() + qs.absmax.nbytes + qs.state2.absmax.nbytes
+    predicted = estimate(cfg, model_tokenizer(cfg.model)).components["base linears (4-bit NF4, double quantization)"]
+    assert predicted == pytest.approx(held, rel=0.01)
