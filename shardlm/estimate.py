@@ -44,7 +44,7 @@ def four_bit_params(blocks: torch.nn.ModuleList) -> int:
     from shardlm.lora import _linear_types
 
     return sum(m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
-               if isinstance(m, _linear_types()) and ".lora_" not in f".{n}")
+               if issubclass(type(m), _linear_types()) and ".lora_" not in f".{n}")
 
 
 def _meta_model(cfg: Config, hf_cfg):
