@@ -12,8 +12,8 @@ import platform
 import sys
 from importlib import metadata
 
-PACKAGES = ("shardlm", "torch", "torch_xla", "transformers", "peft", "datasets", "torchao", "accelerate", "safetensors",
-            "tokenizers", "huggingface_hub", "numpy")
+PACKAGES = ("shardlm", "torch", "torch_xla", "transformers", "peft", "datasets", "torchao", "bitsandbytes",
+            "accelerate", "safetensors", "tokenizers", "huggingface_hub", "numpy")
 ENV_VARS = ("OMP_NUM_THREADS", "HF_HUB_OFFLINE", "HF_HOME", "SHARDLM_CACHE", "CUDA_VISIBLE_DEVICES",
             "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PJRT_DEVICE",
             "CPU_NUM_DEVICES", "XLA_FLAGS")
