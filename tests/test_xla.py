@@ -4,6 +4,7 @@
 Each run is a `shardlm train` process: the XLA runtime is configured once per process (device count, SPMD)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -64,6 +65,10 @@ def test_resume_is_exact_compilations_stay_bounded_and_the_export_loads_on_cpu(c
         "train.batch_size": 4, "parallel.device": "xla", **extra}), "--callback=tests/faults.py:KillAfterSave(8)"],
         env=xla_env(2), check=False)
     assert killed.returncode != 0
+    shutil.copytree(tmp_path / "run", tmp_path / "on_cpu")  # the same checkpoint, resumed on the plain CPU path
+    on_cpu = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / "on_cpu", **{
+        **extra, "train.batch_size": 8, "checkpoint.export_final": False})], env={"PJRT_DEVICE": ""})
+    assert "resumed from" in on_cpu.stdout and len(losses(tmp_path / "on_cpu")) == 12
     resumed = train(corpus, cache_dir, tmp_path / "run", 2, **extra)
     assert "resumed from" in resumed.stdout
     by_step = {r["step"]: r["loss"] for r in records(tmp_path / "run")}
