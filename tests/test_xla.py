@@ -94,3 +94,14 @@ def test_a_hybrid_group_that_does_not_divide_the_devices_is_one_line(corpus, cac
                                                 "parallel.shard_size": 4})
     proc = shardlm_cli(["train", *args], env=xla_env(2), check=False)
     assert proc.returncode == 2 and "shard_size to divide the 2 XLA devices: 4 does not" in proc.stderr
+
+
+def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
+    """Importing torch_xla sets PJRT_DEVICE=CPU where it is unset (transformers imports it to probe for it):
+    that must not move `parallel.device=auto` runs onto XLA:CPU."""
+    from shardlm import xla
+
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    assert not xla.wanted("auto") and xla.wanted("xla")
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")
+    assert xla.wanted("auto")
