@@ -232,11 +232,12 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
 
 
 def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, runs, corpus, cache_dir, tmp_path,
-                                                                       monkeypatch):
+                                                                       monkeypatch, capsys):
     """QLoRA's path, run on bitsandbytes' CPU backend (a run is CUDA-only: that one check is lifted here): the
     base's linears hold 4-bit weights, only the adapters train, the first loss is the full-precision LoRA run's
-    up to the quantization error (and not equal to it), and the weights gathered for the end-of-training sample
-    (dequantized, merged, GPT-2's Conv1D layout restored) give the QLoRA model's own loss."""
+    up to the quantization error (and not equal to it), the weights gathered for the end-of-training sample
+    (dequantized, merged, GPT-2's Conv1D layout restored) give the QLoRA model's own loss, a stopped run
+    resumes bit for bit, and the export is a plain model."""
     bnb = pytest.importorskip("bitsandbytes")
     from shardlm import lora
     from shardlm.config import load_config
@@ -262,6 +263,22 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, ru
         logits = hf(tokens[:, :-1]).logits
     plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
     assert plain.item() == pytest.approx(own.item(), rel=1e-4)
+
+    # a QLoRA checkpoint resumes bit for bit and exports merged into the full-precision base
+    from shardlm.export import export
+    from shardlm.train import train
+
+    qlora = {"lora.quantize": "nf4", "train.max_steps": 4, "checkpoint.every": 0}
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    train(load_config(None, lora_args(corpus, cache_dir, whole, folders["gpt2"], **qlora)))
+    train(load_config(None, lora_args(corpus, cache_dir, split, folders["gpt2"], **qlora)), callbacks=[SigtermAt(2)])
+    assert max(by_step(split)) == 2
+    capsys.readouterr()
+    train(load_config(None, lora_args(corpus, cache_dir, split, folders["gpt2"], **qlora)))
+    assert "resumed from" in capsys.readouterr().out and by_step(split) == by_step(whole)
+    from transformers import AutoModelForCausalLM
+
+    assert type(AutoModelForCausalLM.from_pretrained(str(export(whole, tmp_path / "hf")))).__name__ == "GPT2LMHeadModel"
 
 
 @pytest.mark.cuda
