@@ -25,8 +25,14 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options) if dist.distributed or hasattr(model, "reshard") \
-        else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if dist.distributed or hasattr(model, "reshard"):
+        state = get_model_state_dict(model, options=options)
+    elif dist.device.type == "xla":  # `.cpu()` of a sharded XLA tensor compiles a gather graph, each time
+        from shardlm.xla import host_copy
+
+        state = host_copy(dict(model.state_dict()))
+    else:
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if not dist.is_main:
         return None
     from shardlm.fp8 import plain_state_dict  # fp8 + FSDP: torchao's weight wrappers survive full state dicts

@@ -59,7 +59,8 @@ def assert_parity(corpus, cache_dir, tmp_path, devices: int, extra: dict) -> Non
 def test_resume_is_exact_compilations_stay_bounded_and_the_export_loads_on_cpu(corpus, cache_dir, tmp_path):
     """bf16 with dropout and activation checkpointing: the XLA RNG and the parameters' sharding are restored."""
     extra = {"model.dropout": 0.1, "parallel.precision": "bf16", "parallel.activation_checkpointing": True,
-             "checkpoint.every": 4, "train.max_steps": 12, "checkpoint.export_final": True}
+             "checkpoint.every": 4, "train.max_steps": 12, "checkpoint.export_final": True,
+             "train.sample_tokens": 8}  # the end-of-training sample gathers the weights from the devices
     train(corpus, cache_dir, tmp_path / "ref", 2, **extra)
     killed = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / "run", **{
         "train.batch_size": 4, "parallel.device": "xla", **extra}), "--callback=tests/faults.py:KillAfterSave(8)"],
