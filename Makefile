@@ -2,7 +2,7 @@
 # make test: fresh venv, install, run the test suite
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
-# make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~5 GB from PyPI, ~3.5 min
+# make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~7.7 GB from PyPI, ~3 min
 #   to install here, so not part of `make test`), then tests/test_xla.py on XLA:CPU through PJRT (~4 min on 2 cores).
 VENV ?= .venv
 PY := $(VENV)/bin/python
