@@ -118,14 +118,20 @@ def arch_of(hf_config) -> dict:
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
+def state_key(name: str) -> str:
+    """A parameter or module name as state dicts spell it: without the wrappers' levels."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def tied_keys(model: torch.nn.Module) -> dict[str, str]:
     """State-dict key of each tied parameter's other names -> the key it is stored under (GPT-2's
     `hf.lm_head.weight` -> `hf.transformer.wte.weight`): one tensor, stored once."""
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        for prefix in WRAPPER_PREFIXES:
-            name = name.replace(prefix, "")
+        name = state_key(name)
         if id(p) in first:
             aliases[name] = first[id(p)]
         else:

@@ -69,24 +69,14 @@ def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> nn.Module:
     recipe), dequantized per matmul to the compute dtype of parallel.precision; norms and embeddings stay fp32
     (PEFT's prepare_model_for_kbit_training)."""
     from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
-    from shardlm.hub import hub_kwargs
-    from shardlm.model import attention, model_source
+    from shardlm.model import initial_model
 
-    assert cfg.model.name is not None  # config validation: LoRA adapts a named base
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.parallel.precision, torch.float32)
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=compute)
-    source = model_source(cfg.model.name)
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(source, config=hf_cfg, quantization_config=nf4,
-                                                  device_map={"": str(device)}, dtype=torch.float32,
-                                                  attn_implementation=attention(hf_cfg),
-                                                  trust_remote_code=cfg.model.trust_remote_code, **hub_kwargs(source))
-    except (OSError, ValueError) as e:
-        raise ShardlmError(f"cannot load weights of '{cfg.model.name}' in 4 bits: {str(e).splitlines()[0][:200]}"
-                           ) from None
+    hf = initial_model(cfg, hf_cfg, cfg.train.seed, quantization_config=nf4, device_map={"": str(device)})
     return prepare_model_for_kbit_training(hf, use_gradient_checkpointing=False)  # AC is parallelize's
 
 
@@ -95,10 +85,12 @@ def _dequantized(state: dict, model: nn.Module) -> tuple[dict, set[str]]:
     quantization entries dropped, and the keys of those weights."""
     import bitsandbytes as bnb  # only called where a 4-bit layer exists, i.e. bitsandbytes is installed
 
+    from shardlm.checkpoint import state_key
+
     out, keys = dict(state), set()
     for name, module in model.named_modules():
-        if isinstance(module, bnb.nn.Linear4bit):  # names as in state dicts: without AC / compile wrappers
-            key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "") + ".weight"
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = state_key(name) + ".weight"
             for extra in [k for k in out if k.startswith(key + ".")]:
                 del out[extra]
             out[key] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()

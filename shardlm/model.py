@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -253,8 +254,9 @@ def fill_meta_buffers(hf_model: nn.Module) -> None:
             hf_model.get_submodule(owner)._buffers[attr] = real[name]
 
 
-def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
-    """A real CPU model with the starting weights: pretrained ones, or a seeded random init."""
+def initial_model(cfg: Config, hf_cfg, seed: int, **load: Any) -> nn.Module:
+    """A real CPU model with the starting weights: pretrained ones, or a seeded random init. `load` goes to
+    `from_pretrained` (QLoRA: its 4-bit quantization config and the device to load onto)."""
     from transformers import AutoModelForCausalLM
 
     if cfg.model.name is None:
@@ -264,7 +266,7 @@ def initial_model(cfg: Config, hf_cfg, seed: int) -> nn.Module:
     try:
         return AutoModelForCausalLM.from_pretrained(source, config=hf_cfg, attn_implementation=attention(hf_cfg),
                                                     trust_remote_code=cfg.model.trust_remote_code,
-                                                    dtype=torch.float32, **hub_kwargs(source))
+                                                    dtype=torch.float32, **hub_kwargs(source), **load)
     except (OSError, ValueError) as e:
         raise ShardlmError(f"cannot load weights of '{cfg.model.name}': {str(e).splitlines()[0][:200]}") from None
 

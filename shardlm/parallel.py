@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardlm import ShardlmError
+from shardlm import ShardlmError, lora
 from shardlm.config import Config
 from shardlm.dist import Dist
 from shardlm.model import transformer_blocks
@@ -56,7 +56,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         raise ShardlmError(f"parallel.precision=bf16 is not supported by {torch.cuda.get_device_name(device)}. "
                            "Use parallel.precision=fp16 or fp32.")
     compile_ = compile_mode(p.compile, device)
-    if p.compile == "auto" and cfg.lora.r > 0 and cfg.lora.quantize:
+    if p.compile == "auto" and lora.quantized(cfg):
         compile_ = "false"  # bitsandbytes' 4-bit matmuls are not verified under torch.compile here
     if p.precision == "fp8":
         from shardlm.fp8 import check_float8

@@ -74,12 +74,6 @@ def run_header(run: Run) -> str:
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}")
 
 
-def _mem_field(device: torch.device) -> dict[str, str]:
-    if device.type != "cuda":
-        return {}
-    return {"mem": f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}G"}
-
-
 class Reporter:
     """One per `fit`: opened before the first step (prints the header), closed after the last (prints `done`)."""
 
@@ -126,9 +120,10 @@ class Reporter:
         loss = (self.loss_sum[0] / (self.steps * self.tokens_per_step)).item()
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
         mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.data_parallel) if self.peak_flops else None
+        peak_mem = peak_memory_bytes(self.device)
         self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
-                        "peak_mem_gb": peak_memory_bytes(self.device) / 1e9, "device": self.device.type,
+                        "peak_mem_gb": peak_mem / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
                         **gpu_utilization(self.device),
                         **({"xla_compilations": xla.compilations()} if self.device.type == "xla" else {}),
@@ -136,7 +131,7 @@ class Reporter:
         evals_left = self._left(step, self.run.cfg.train.eval_every) + 1  # + the final one
         remaining = self.eta.remaining(step, evals_left, self._left(step, self.save_every))
         self.progress.update(step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}
-                             | _mem_field(self.device))
+                             | ({"mem": f"{peak_mem / 2**30:.1f}G"} if self.device.type == "cuda" else {}))
         self.loss_sum.zero_()
         self.seconds, self.steps = 0.0, 0
 

@@ -126,9 +126,13 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, device: torch.device, s
     import torch_xla.distributed.spmd as xs
     from torch_xla.distributed.spmd.xla_sharding import apply_backward_optimization_barrier
 
-    tied = _tied_groups(model)
+    from shardlm.checkpoint import tied_keys
+
+    tied = tied_keys(model)  # each other name of a shared parameter -> the name it is shared with
     model.to(device)
-    _retie(tied)  # moving to XLA gives every parameter its own tensor: a tied head would silently untie
+    for alias, name in tied.items():  # moving to XLA gives every parameter its own tensor: a tied head would untie
+        owner, _, leaf = alias.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(name))
     the_mesh = mesh(strategy, devices, shard_size)
     xs.set_global_mesh(the_mesh)
     for i, block in enumerate(blocks):
@@ -189,20 +193,6 @@ def shard_batch(tensor: torch.Tensor) -> torch.Tensor:
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     return shard_batch(batch.to(device))
-
-
-def _tied_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((module, name))
-    return [group for group in owners.values() if len(group) > 1]
-
-
-def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
-    for (first, first_name), *rest in groups:
-        for module, name in rest:
-            setattr(module, name, getattr(first, first_name))
 
 
 def sync() -> None:
