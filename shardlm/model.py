@@ -195,13 +195,42 @@ def model_config(cfg: Config, tokenizer):
     return hf_cfg
 
 
+CAUSAL_SDPA = "shardlm_sdpa"
+
+
 def attention(hf_cfg) -> str:
-    """SDPA (flash / memory-efficient kernels) where the family supports it; eager where it does not
-    (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
-    from transformers import AutoModelForCausalLM
+    """SDPA (flash / memory-efficient kernels) where the family supports it, as `CAUSAL_SDPA`; eager where it
+    does not (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface
 
     model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
-    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+    if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
+        return "eager"
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL_SDPA, causal_sdpa_mask)
+    return CAUSAL_SDPA
+
+
+def causal_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
+    """transformers' SDPA mask, except that under torch.compile the causal mask of unpadded blocks is None.
+
+    None lets SDPA take `is_causal=True`, whose flash / cuDNN kernels skip the masked half of the scores.
+    Traced, transformers cannot rule out that position ids pack several sequences (it asks the data, which a
+    graph cannot) and builds the full (batch, 1, T, T) mask: every compiled step (shardlm's default on CUDA)
+    attended through an explicit mask, at twice the attention work. shardlm never packs sequences through
+    position ids (its blocks run at positions 0..T-1), so that guess is always "one sequence" here. Eager
+    calls, padding, sliding windows shorter than the block, custom mask functions and cache offsets get
+    transformers' own mask."""
+    from transformers.masking_utils import sdpa_mask
+
+    q_offset, kv_offset, local = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0), kwargs.get("local_size")
+    if (torch.compiler.is_compiling() and kwargs.get("attention_mask") is None and not kwargs.get("use_vmap")
+            and kwargs["q_length"] == kwargs["kv_length"] and (local is None or kwargs["kv_length"] < local)
+            and isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset == 0):
+        return None
+    return sdpa_mask(**kwargs)
 
 
 def empty_model(hf_cfg, device: torch.device | str) -> nn.Module:

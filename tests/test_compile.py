@@ -45,3 +45,30 @@ def test_whole_model_compiles_to_one_graph_with_eager_losses(corpus, cache_dir, 
     breaks = sum(counters["graph_break"].values()) if compiled.device.type == "cuda" else 0
     assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == breaks <= 1, (
         dict(counters["stats"]), dict(counters["graph_break"]), dict(counters["recompiles"]))
+
+
+@pytest.mark.cuda
+def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
+    """Traced, transformers builds a full (B, 1, T, T) mask (it cannot rule out packed sequences), which denies
+    SDPA its causal flash kernels; shardlm's blocks get is_causal=True. A sliding window stays a real mask."""
+    from shardlm.model import empty_model, model_config
+    from shardlm.tokenizer import load_tokenizer
+
+    def sdpa_calls(arch: str, **config_overrides) -> list[dict]:
+        cfg = load_config(None, ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=16",
+                                 f"model.arch={arch}", f"model.config_overrides={config_overrides}"])
+        model = empty_model(model_config(cfg, load_tokenizer("bytes")), "cpu")
+        calls: list[dict] = []
+
+        def capture(gm, _inputs):
+            calls.extend(dict(n.kwargs) for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+            return gm
+
+        torch._dynamo.reset()
+        torch.compile(model, backend=capture)(input_ids=torch.randint(0, 200, (2, 16)))
+        return calls
+
+    (gpt2,) = sdpa_calls("gpt2")
+    assert gpt2["attn_mask"] is None and gpt2["is_causal"] is True
+    (window,) = sdpa_calls("mistral", sliding_window=4)
+    assert window["attn_mask"] is not None and window["is_causal"] is False
