@@ -124,10 +124,11 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
     compiled = compile_mode(p.compile, device) == "model"
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled)
-    if chunk:
-        rows = min(chunk, tokens)
+    if chunk:  # the head's weight gradient only where the head trains (LoRA freezes it)
+        rows, head = min(chunk, tokens), meta.get_output_embeddings()
+        head_grad = V * C * 4 if head is not None and head.weight.requires_grad else 0
         forward["loss: one chunk buffer + head/hidden grads"] = rows * V * (4 + (csize if csize != 4 else 0)) \
-            + V * C * 4 + tokens * C * csize
+            + head_grad + tokens * C * csize
     elif compiled:  # inductor fuses log-softmax and its gradient: the logits and their gradient remain
         forward["loss: logits and their gradient (compiled)"] = tokens * V * 2 * csize
     else:

@@ -31,6 +31,22 @@ def test_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path, ext
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
+def test_lora_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path):
+    """LoRA freezes the head: the chunked loss builds no head gradient (counting one was +21% here)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardlm.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128)).save_pretrained(tmp_path / "base")
+    load_tokenizer("gpt2").save_pretrained(tmp_path / "base")
+    cfg = load_config(None, tiny(corpus, cache_dir, tmp_path / "run", **{
+        **GPT2_VOCAB, "model.name": tmp_path / "base", "model.tokenizer": "null", "lora.r": 16, "lora.alpha": 32}))
+    trainer = Trainer.from_config(cfg)
+    trainer.train_step()
+    assert estimate(cfg, trainer.run.tokenizer).peak_bytes == pytest.approx(measure_step_peak(trainer), rel=0.15)
+
+
 def test_chunked_loss_saves_memory(corpus, cache_dir, tmp_path):
     peaks = {}
     for chunk in (0, 256):
