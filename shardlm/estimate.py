@@ -14,12 +14,13 @@ base (what autograd keeps differs: frozen weights need no inputs saved for their
 from __future__ import annotations
 
 from dataclasses import dataclass
+from inspect import signature
 
 import torch
 
 from shardlm import lora
 from shardlm.config import Config
-from shardlm.model import auto_loss_chunk, empty_model, model_config, num_params, transformer_blocks
+from shardlm.model import auto_loss_chunk, empty_model, logit_transform, model_config, num_params, transformer_blocks
 from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 
 GB = 2**30
@@ -54,8 +55,16 @@ def _meta_model(cfg: Config, hf_cfg):
     return model
 
 
-def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, tokens: int = 32, cfg: Config | None = None) -> float:
-    """Bytes autograd keeps per token for one block (weights excluded), measured on a real block."""
+def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: Config | None = None) -> float:
+    """Bytes autograd keeps per token for one block at `seq_len` (weights excluded), measured on a real block
+    at 32 and 64 tokens: per token it is a + b * seq_len, b > 0 where attention keeps (T x T) probabilities
+    (eager attention, e.g. Gemma 2's soft-capped one)."""
+    small, large = (_saved_bytes(hf_cfg, dtype, t, cfg) / t for t in (32, 64))
+    slope = max(0.0, (large - small) / 32)
+    return small + slope * (seq_len - 32)
+
+
+def _saved_bytes(hf_cfg, dtype: torch.dtype, tokens: int, cfg: Config | None) -> float:
     meta = _meta_model(cfg, hf_cfg) if cfg is not None else empty_model(hf_cfg, "meta")
     block = transformer_blocks(meta)[0].to_empty(device="cpu")
     for p in block.parameters():
@@ -75,12 +84,16 @@ def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, tokens: int = 32, cf
     rotary = next((m for n, m in meta.named_modules() if n.endswith("rotary_emb")), None)
     if rotary is not None:  # Llama-style blocks take the rotary (cos, sin) from the model
         positions = torch.arange(tokens).unsqueeze(0)
+        # Gemma 3 keeps one rotary table per layer type (sliding / full attention)
+        layer_type = {"layer_type": hf_cfg.layer_types[0]} if "layer_type" in signature(rotary.forward).parameters \
+            else {}
         with torch.no_grad():
-            kwargs = {"position_embeddings": type(rotary)(config=hf_cfg)(x, positions), "position_ids": positions}
+            kwargs = {"position_embeddings": type(rotary)(config=hf_cfg)(x, positions, **layer_type),
+                      "position_ids": positions}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(x, **kwargs)
     (out[0] if isinstance(out, tuple) else out).sum().backward()
-    return sum(saved.values()) / tokens
+    return sum(saved.values())
 
 
 def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int | None = None) -> Estimate:
@@ -113,7 +126,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         comp["autocast weight copies"] = (total - four_bit) * csize  # 4-bit ones are dequantized per matmul
     # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
     # backward and the optimizer step (all gradients live, activations freed). The peak is the larger.
-    per_token = block_saved_bytes_per_token(hf_cfg, compute, cfg=cfg)
+    per_token = block_saved_bytes_per_token(hf_cfg, compute, T, cfg=cfg)
     tokens = B * T
     forward: dict[str, float] = {}
     if p.activation_checkpointing:
@@ -123,7 +136,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
     compiled = compile_mode(p.compile, device) == "model"
-    chunk = auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled)
+    full_logits = logit_transform(hf_cfg) is not None or meta.get_output_embeddings() is None  # as CausalLM
+    chunk = 0 if full_logits else auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled)
     if chunk:  # the head's weight gradient only where the head trains (LoRA freezes it)
         rows, head = min(chunk, tokens), meta.get_output_embeddings()
         head_grad = V * C * 4 if head is not None and head.weight.requires_grad else 0
@@ -133,6 +147,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         forward["loss: logits and their gradient (compiled)"] = tokens * V * 2 * csize
     else:
         forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
+    if logit_transform(hf_cfg) and not compiled:  # soft-capping keeps its tanh output for the backward
+        forward["loss: the transformed logits"] = tokens * V * csize
     grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
     if sum(forward.values()) >= grads:
         comp.update(forward)

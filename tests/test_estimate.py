@@ -21,7 +21,9 @@ GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256
     {"parallel.activation_checkpointing": True, "train.batch_size": 8},
     {"train.batch_size": 16, "train.loss_chunk_size": 256},
     {"model.arch": "llama", "model.n_kv_head": 2, "model.intermediate_size": 688},
-], ids=["chunked", "plain-loss", "activation-ckpt", "big-batch", "llama"])
+    {"model.arch": "gemma2"},  # eager attention keeps (T x T) probabilities; soft-capped logits
+    {"model.arch": "gemma3_text"},  # one rotary table per layer type
+], ids=["chunked", "plain-loss", "activation-ckpt", "big-batch", "llama", "gemma2", "gemma3"])
 def test_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path, extra):
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{**GPT2_VOCAB, **extra}))
     trainer = Trainer.from_config(cfg)
