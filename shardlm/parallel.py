@@ -176,3 +176,34 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip reduce-scatter/all-reduce on non-final micro-steps of gradient accumulation."""
     if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(enabled)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+    """The global gradient norm (a 0-d tensor on `device`), the gradients scaled to at most `max_norm`.
+
+    torch's clip_grad_norm_ over FSDP2's DTensor gradients, computed on the local shards instead: one foreach
+    norm, one all-reduce of a scalar over each mesh dimension that shards (replicas hold equal shards), one
+    foreach multiply. DTensor dispatch costs ~15 us of host time per parameter and op (3.1 vs 0.9 ms for
+    GPT-2's 148 parameters, CPU), which shows wherever the GPU waits on the host. With CPU offload the
+    gradients are on the CPU: the scalar travels to `device`, so NCCL can reduce it."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or not isinstance(grads[0], DTensor):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).to(device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_layout: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_layout.setdefault((g.device_mesh, g.placements), []).append(g)
+    for (mesh, placements), group in by_layout.items():
+        local = [g._local_tensor for g in group]
+        squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).square().sum().to(device)
+        for dim, placement in enumerate(placements):
+            if isinstance(placement, Shard) and mesh.size(dim) > 1:
+                torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares
+    norm = total.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    local = [g._local_tensor for g in grads]
+    torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
+    return norm

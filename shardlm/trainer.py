@@ -28,7 +28,7 @@ from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.fp8 import after_optimizer_step
 from shardlm.metrics import eval_summary, peak_flops
 from shardlm.model import num_params
-from shardlm.parallel import set_gradient_sync
+from shardlm.parallel import clip_grad_norm, set_gradient_sync
 
 
 class StepResult(TypedDict):
@@ -163,11 +163,9 @@ class Trainer:
 
     def _grad_norm(self) -> float:
         max_norm = self.cfg.train.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        norm = clip_grad_norm(self.params, max_norm, self.device)
         if self.xla:  # forward + backward + clip as one graph, before the host reads the norm
             xla.sync()
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
         return float(norm)  # one host sync per optimizer step, needed to skip bad steps
 
     def train_step(self) -> StepResult:
