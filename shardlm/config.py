@@ -40,6 +40,10 @@ CHOICE_HINTS = {"parallel.sharding": " ZeRO / FSDP1 names work too: zero3 or FUL
                                      "HYBRID_SHARD = hybrid_full, hybrid_shard_zero2 = hybrid_grad."}
 
 
+# auto, or the transformers attn_implementation used as given (sdpa: transformers' own masks)
+ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
 @dataclass
 class ModelConfig:
     name: str | None = None  # hub name or local HF folder; None = from scratch
@@ -53,6 +57,7 @@ class ModelConfig:
     vocab_multiple: int = 1  # from scratch: pad the vocabulary to a multiple of this (64 on GPUs: aligned lm_head)
     config_overrides: dict[str, Any] = field(default_factory=dict)  # any other HF config fields (from scratch)
     dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
+    attention: str = "auto"  # auto = SDPA (causal kernels, no mask), else eager; or sdpa, eager, flash_attention_2, ...
     tokenizer: str | None = None  # None = the model's own, bytes from scratch; or bytes, gpt2, a folder, a hub name
     trust_remote_code: bool = False  # allow Hub models that ship their own code (off: safe by default)
 
@@ -396,6 +401,9 @@ def validate(cfg: Config) -> None:
         raise ShardlmError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}.")
     _check_lora(cfg)
     m = cfg.model
+    if m.attention not in ATTENTION_CHOICES:
+        raise ShardlmError(f"model.attention={m.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}."
+                           f"{nearest(m.attention, ATTENTION_CHOICES)}")
     if m.name is None:
         _positive("model.n_layer", m.n_layer)
         _positive("model.n_embd", m.n_embd)

@@ -191,20 +191,43 @@ def model_config(cfg: Config, tokenizer):
         # The same tanh-GELU as one fused op instead of seven: saves ~30% of block activation memory
         # (measured with shardlm estimate) and several memory passes per step. HF reads the name back.
         hf_cfg.activation_function = "gelu_pytorch_tanh"
-    hf_cfg._attn_implementation = attention(hf_cfg)
+    hf_cfg._attn_implementation = attention(hf_cfg) if m.attention == "auto" else check_attention(m.attention, hf_cfg)
     return hf_cfg
+
+
+def check_attention(choice: str, hf_cfg) -> str:
+    """`model.attention` as given, if the family supports it and what it needs is installed (transformers
+    would refuse it later, in a build, with a traceback)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
+    flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(choice, "_supports_flash_attn")
+    if choice != "eager" and model_class is not None and not getattr(model_class, flag, False):
+        raise ShardlmError(f"model.attention={choice}: {model_class.__name__} does not support it in this "
+                           "transformers version; use model.attention=auto (or eager).")
+    package = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}.get(choice)
+    if package and importlib.util.find_spec(package) is None:
+        raise ShardlmError(f"model.attention={choice} needs the {package} package and a CUDA GPU "
+                           f"(pip install {package.replace('_interface', '').replace('_', '-')}); "
+                           "model.attention=auto uses SDPA's flash kernels without it.")
+    return choice
 
 
 CAUSAL_SDPA = "shardlm_sdpa"
 
 
 def attention(hf_cfg) -> str:
-    """SDPA (flash / memory-efficient kernels) where the family supports it, as `CAUSAL_SDPA`; eager where it
+    """The attention a model is built with: `model.attention` where model_config set it, else `auto`'s choice:
+    SDPA (flash / memory-efficient kernels) where the family supports it, as `CAUSAL_SDPA`; eager where it
     does not (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
+    if getattr(hf_cfg, "_attn_implementation", None) not in (None, CAUSAL_SDPA):
+        return hf_cfg._attn_implementation
     model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
     if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
         return "eager"

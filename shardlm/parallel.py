@@ -55,6 +55,9 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     if p.precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ShardlmError(f"parallel.precision=bf16 is not supported by {torch.cuda.get_device_name(device)}. "
                            "Use parallel.precision=fp16 or fp32.")
+    if cfg.model.attention in ("flash_attention_2", "flash_attention_3", "flex_attention") and device.type != "cuda":
+        raise ShardlmError(f"model.attention={cfg.model.attention} trains on CUDA GPUs only (on {device.type} it "
+                           "has no kernels or no backward); use model.attention=auto.")
     compile_ = compile_mode(p.compile, device)
     if p.compile == "auto" and lora.quantized(cfg):
         compile_ = "false"  # bitsandbytes' 4-bit matmuls are not verified under torch.compile here

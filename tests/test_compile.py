@@ -54,9 +54,10 @@ def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     from shardlm.model import empty_model, model_config
     from shardlm.tokenizer import load_tokenizer
 
-    def sdpa_calls(arch: str, **config_overrides) -> list[dict]:
+    def sdpa_calls(arch: str, attention: str = "auto", **config_overrides) -> list[dict]:
         cfg = load_config(None, ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=16",
-                                 f"model.arch={arch}", f"model.config_overrides={config_overrides}"])
+                                 f"model.arch={arch}", f"model.config_overrides={config_overrides}",
+                                 f"model.attention={attention}"])
         model = empty_model(model_config(cfg, load_tokenizer("bytes")), "cpu")
         calls: list[dict] = []
 
@@ -72,3 +73,5 @@ def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     assert gpt2["attn_mask"] is None and gpt2["is_causal"] is True
     (window,) = sdpa_calls("mistral", sliding_window=4)
     assert window["attn_mask"] is not None and window["is_causal"] is False
+    (stock,) = sdpa_calls("gpt2", "sdpa")  # model.attention=sdpa: transformers' own masks
+    assert stock["attn_mask"] is not None and stock["is_causal"] is False

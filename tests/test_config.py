@@ -64,6 +64,7 @@ def test_yaml_then_overrides(tmp_path):
         (["parallel.sharding=zero1"], ["parallel.sharding='zero1'", "full, grad_op", "zero3 or FULL_SHARD = full"]),
         (["model.arch=llama", "model.n_kv_head=3"], ["model.n_kv_head=3", "divide model.n_head=4"]),
         (["lora.r=8"], ["lora.r > 0", "model.name is null"]),
+        (["model.attention=flash"], ["model.attention='flash'", "flash_attention_2"]),
     ],
 )
 def test_bad_overrides_name_the_key(overrides, words):

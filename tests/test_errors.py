@@ -19,6 +19,7 @@ CPU = torch.device("cpu")
     (["parallel.precision=fp16"], 1, 1, "fp16 needs a GPU"),
     (["parallel.sharding=hybrid_full", "parallel.shard_size=2"], 3, 3, "2 does not divide 3 ranks"),
     (["parallel.sharding=hybrid_grad"], 6, 4, "4 does not divide 6 ranks"),
+    (["model.attention=flex_attention"], 1, 1, "flex_attention trains on CUDA GPUs only"),
 ])
 def test_infeasible_parallel_plans(overrides, world, local, message):
     with pytest.raises(ShardlmError, match=message):

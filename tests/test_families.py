@@ -8,6 +8,7 @@ norms; Phi-3 fused qkv and gate/up projections; GPT-NeoX parallel residuals, par
 positions with an offset, biases, tied weights.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -112,6 +113,11 @@ def test_the_models_own_tokenizer_by_default(folders, tmp_path):
         model_config(bytes_cfg, model_tokenizer(bytes_cfg.model))
     with pytest.raises(ShardlmError, match="model.arch='lama' is not a causal LM family.*Did you mean 'llama'"):
         model_config(load_config(None, ["model.arch=lama"]), byte_tokenizer())
+    with pytest.raises(ShardlmError, match="flex_attention: GPT2LMHeadModel does not support it"):
+        model_config(load_config(None, ["model.attention=flex_attention"]), byte_tokenizer())
+    if importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(ShardlmError, match="model.attention=flash_attention_2 needs the flash_attn package"):
+            model_config(load_config(None, ["model.attention=flash_attention_2"]), byte_tokenizer())
     with pytest.raises(ShardlmError, match="transforms its logits"):
         model_config(load_config(None, [f"model.name={folders['gemma2']}", "train.loss_chunk_size=16",
                                         "data.seq_len=32"]),
