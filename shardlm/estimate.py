@@ -136,7 +136,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
     compiled = compile_mode(p.compile, device) == "model"
-    full_logits = logit_transform(hf_cfg) is not None or meta.get_output_embeddings() is None  # as CausalLM
+    transform = logit_transform(hf_cfg)
+    full_logits = transform is not None or meta.get_output_embeddings() is None  # as CausalLM decides
     chunk = 0 if full_logits else auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled)
     if chunk:  # the head's weight gradient only where the head trains (LoRA freezes it)
         rows, head = min(chunk, tokens), meta.get_output_embeddings()
@@ -147,7 +148,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         forward["loss: logits and their gradient (compiled)"] = tokens * V * 2 * csize
     else:
         forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
-    if logit_transform(hf_cfg) and not compiled:  # soft-capping keeps its tanh output for the backward
+    if transform and not compiled:  # soft-capping keeps its tanh output for the backward
         forward["loss: the transformed logits"] = tokens * V * csize
     grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
     if sum(forward.values()) >= grads:

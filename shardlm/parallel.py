@@ -206,7 +206,8 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.de
                 torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
         total += squares
     norm = total.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    local = [g._local_tensor for g in grads]
-    torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
+    if max_norm != float("inf"):
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        local = [g._local_tensor for g in grads]
+        torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
     return norm
