@@ -18,7 +18,7 @@ from shardlm.config import Config
 from shardlm.data import Blocks, prepare_data
 from shardlm.dist import Dist
 from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
-from shardlm.parallel import Plan, parallelize, plan
+from shardlm.parallel import Plan, ShardLocalAdamW, parallelize, plan
 from shardlm.tokenizer import model_tokenizer
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = next(model.parameters()).device.type in ("cpu", "cuda")  # XLA: foreach, traced into the step's graph
-    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused, foreach=not fused)
+    optimizer = ShardLocalAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused, foreach=not fused)
 
     def lr_factor(step: int) -> float:
         if step < t.warmup_steps:

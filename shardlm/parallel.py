@@ -211,3 +211,25 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.de
         local = [g._local_tensor for g in grads]
         torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
     return norm
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """AdamW whose update runs on FSDP2's local shards: the parameters, gradients and state it holds (and
+    that DCP checkpoints) stay DTensors; the math gets their local tensors.
+
+    Through DTensor dispatch the fused step costs ~30 us of host time per parameter (5.9 vs 1.5 ms for
+    GPT-2's 148 parameters, CPU), and on torch 2.11 it also leaks one DTensorSpec per parameter per step
+    (pytorch#188174: host memory grows until a long run is killed). AdamW is elementwise, so the update of
+    each shard is the update of the whole tensor. Local tensors that are not plain tensors (float8 weights)
+    keep the DTensor path."""
+
+    def _init_group(self, group, *lists):  # type: ignore[no-untyped-def, override]
+        from torch.distributed.tensor import DTensor
+
+        has_complex = super()._init_group(group, *lists)
+        tensors = [t for lst in lists for t in lst]
+        if tensors and all(isinstance(t, DTensor) and type(t._local_tensor) is torch.Tensor for t in tensors
+                           if isinstance(t, torch.Tensor) and t.dim() > 0):
+            for lst in lists:
+                lst[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in lst]
+        return has_complex

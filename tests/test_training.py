@@ -81,7 +81,7 @@ def test_tied_weights_survive_sharding(corpus, cache_dir, tmp_path):
                                     nproc=2),
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "TIED OK" in out.stdout
+    assert "TIED OK" in out.stdout and "LOCAL STEP OK" in out.stdout
 
 
 @pytest.mark.cuda

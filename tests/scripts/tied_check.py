@@ -1,13 +1,30 @@
-"""Run under torchrun: after sharding and two steps, lm_head and wte hold the same values."""
+"""Run under torchrun: after sharding and two steps, lm_head and wte hold the same values; AdamW's update
+runs on the local shards (no op of its step sees a DTensor) while its state stays DTensors for DCP."""
 
 import sys
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlm.config import load_config
 from shardlm.dist import shutdown
 from shardlm.trainer import Trainer
+
+
+class DTensorOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = [*args, *(kwargs or {}).values()]
+        flat = [t for a in leaves for t in (a if isinstance(a, (list, tuple)) else [a])]
+        if any(isinstance(t, DTensor) for t in flat):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
 
 trainer = Trainer.from_config(load_config(None, sys.argv[1:]))
 hf = trainer.model.hf
@@ -21,4 +38,15 @@ if trainer.dist.is_main:
     assert torch.equal(wte, head)
     assert not torch.equal(wte, before["hf.transformer.wte.weight"]), "weights did not train"
     print("TIED OK", flush=True)
+
+opt = trainer.run.optimizer
+trainer.forward_backward_step(trainer._train_batch(0))
+weight = next(p for p in trainer.model.parameters() if p.dim() == 2)
+old = weight._local_tensor.clone()
+with DTensorOps() as mode:
+    opt.step()
+assert not mode.seen, f"AdamW dispatched on DTensors: {sorted(set(mode.seen))[:5]}"
+assert isinstance(opt.state[weight]["exp_avg"], DTensor) and not torch.equal(old, weight._local_tensor)
+if trainer.dist.is_main:
+    print("LOCAL STEP OK", flush=True)
 shutdown(0)
