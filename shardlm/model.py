@@ -220,8 +220,9 @@ CAUSAL_SDPA = "shardlm_sdpa"
 
 def attention(hf_cfg) -> str:
     """The attention a model is built with: `model.attention` where model_config set it, else `auto`'s choice:
-    SDPA (flash / memory-efficient kernels) where the family supports it, as `CAUSAL_SDPA`; eager where it
-    does not (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
+    SDPA (flash / memory-efficient kernels) where the family supports it, as `CAUSAL_SDPA` for the tested
+    families (some others, e.g. Falcon, branch on the name "sdpa" in their own code); eager where it does
+    not (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
@@ -231,6 +232,8 @@ def attention(hf_cfg) -> str:
     model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
     if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
         return "eager"
+    if getattr(hf_cfg, "model_type", None) not in TESTED_FAMILIES:
+        return "sdpa"
     AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
     AttentionMaskInterface.register(CAUSAL_SDPA, causal_sdpa_mask)
     return CAUSAL_SDPA

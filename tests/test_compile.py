@@ -75,3 +75,7 @@ def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     assert window["attn_mask"] is not None and window["is_causal"] is False
     (stock,) = sdpa_calls("gpt2", "sdpa")  # model.attention=sdpa: transformers' own masks
     assert stock["attn_mask"] is not None and stock["is_causal"] is False
+    from transformers import AutoConfig
+
+    from shardlm.model import attention
+    assert attention(AutoConfig.for_model("falcon")) == "sdpa"  # untested families (Falcon branches on the name)
