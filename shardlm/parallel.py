@@ -157,7 +157,8 @@ def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Modul
 
 
 def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: Dist) -> None:
-    """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch."""
+    """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch. As in
+    torchtitan, the last block stays gathered after its forward (its backward comes next)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
@@ -165,8 +166,10 @@ def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
     if cfg.parallel.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for block in blocks:
-        fully_shard(block, **kwargs)
+    for i, block in enumerate(blocks):
+        # the last block's backward starts right after its forward: keeping it gathered saves re-gathering it
+        last = i == len(blocks) - 1
+        fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last})
     fully_shard(model, **kwargs)
     if cfg.parallel.prefetch > 0 and len(blocks) > 1:
         depth = cfg.parallel.prefetch

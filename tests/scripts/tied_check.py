@@ -1,5 +1,6 @@
-"""Run under torchrun: after sharding and two steps, lm_head and wte hold the same values; AdamW's update
-runs on the local shards (no op of its step sees a DTensor) while its state stays DTensors for DCP."""
+"""Run under torchrun: only the last block stays gathered after its forward; after two steps lm_head and wte
+hold the same values; AdamW's update runs on the local shards (no op of its step sees a DTensor) while its
+state stays DTensors for DCP."""
 
 import sys
 
@@ -29,6 +30,9 @@ class DTensorOps(TorchDispatchMode):
 trainer = Trainer.from_config(load_config(None, sys.argv[1:]))
 hf = trainer.model.hf
 assert hf.lm_head.weight is hf.transformer.wte.weight, "tie broken by sharding"
+groups = [block._get_fsdp_state()._fsdp_param_group for block in hf.transformer.h]
+assert groups[0].post_forward_mesh_info is not None and groups[-1].post_forward_mesh_info is None, \
+    "only the last block stays gathered after its forward"
 before = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 trainer.train_step()
 trainer.train_step()
