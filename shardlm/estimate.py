@@ -59,18 +59,19 @@ def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: C
     """Bytes autograd keeps per token for one block at `seq_len` (weights excluded), measured on a real block
     at 32 and 64 tokens: per token it is a + b * seq_len, b > 0 where attention keeps (T x T) probabilities
     (eager attention, e.g. Gemma 2's soft-capped one)."""
-    small, large = (_saved_bytes(hf_cfg, dtype, t, cfg) / t for t in (32, 64))
-    slope = max(0.0, (large - small) / 32)
-    return small + slope * (seq_len - 32)
-
-
-def _saved_bytes(hf_cfg, dtype: torch.dtype, tokens: int, cfg: Config | None) -> float:
     meta = _meta_model(cfg, hf_cfg) if cfg is not None else empty_model(hf_cfg, "meta")
     block = transformer_blocks(meta)[0].to_empty(device="cpu")
     for p in block.parameters():
         with torch.no_grad():
             torch.nn.init.normal_(p, std=0.02)
     block.to(dtype).train()
+    rotary = next((m for n, m in meta.named_modules() if n.endswith("rotary_emb")), None)
+    small, large = (_saved_bytes(block, rotary, hf_cfg, dtype, t) / t for t in (32, 64))
+    slope = max(0.0, (large - small) / 32)
+    return small + slope * (seq_len - 32)
+
+
+def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tokens: int) -> float:
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     saved: dict[int, int] = {}
 
@@ -81,7 +82,6 @@ def _saved_bytes(hf_cfg, dtype: torch.dtype, tokens: int, cfg: Config | None) ->
 
     x = torch.randn(1, tokens, hf_cfg.hidden_size, dtype=dtype, requires_grad=True)
     kwargs = {}
-    rotary = next((m for n, m in meta.named_modules() if n.endswith("rotary_emb")), None)
     if rotary is not None:  # Llama-style blocks take the rotary (cos, sin) from the model
         positions = torch.arange(tokens).unsqueeze(0)
         # Gemma 3 keeps one rotary table per layer type (sliding / full attention)

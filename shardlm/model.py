@@ -200,9 +200,7 @@ def check_attention(choice: str, hf_cfg) -> str:
     would refuse it later, in a build, with a traceback)."""
     import importlib.util
 
-    from transformers import AutoModelForCausalLM
-
-    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
+    model_class = causal_lm_class(hf_cfg)
     flag = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}.get(choice, "_supports_flash_attn")
     if choice != "eager" and model_class is not None and not getattr(model_class, flag, False):
         raise ShardlmError(f"model.attention={choice}: {model_class.__name__} does not support it in this "
@@ -215,6 +213,13 @@ def check_attention(choice: str, hf_cfg) -> str:
     return choice
 
 
+def causal_lm_class(hf_cfg):
+    """The transformers class AutoModelForCausalLM builds for this config; None for remote code."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
+
+
 CAUSAL_SDPA = "shardlm_sdpa"
 
 
@@ -223,13 +228,13 @@ def attention(hf_cfg) -> str:
     SDPA (flash / memory-efficient kernels) where the family supports it, as `CAUSAL_SDPA` for the tested
     families (some others, e.g. Falcon, branch on the name "sdpa" in their own code); eager where it does
     not (Gemma 2 soft-caps attention logits, which SDPA cannot)."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
     if getattr(hf_cfg, "_attn_implementation", None) not in (None, CAUSAL_SDPA):
         return hf_cfg._attn_implementation
-    model_class = AutoModelForCausalLM._model_mapping.get(type(hf_cfg), None)
+    model_class = causal_lm_class(hf_cfg)
     if model_class is not None and not getattr(model_class, "_supports_sdpa", False):
         return "eager"
     if getattr(hf_cfg, "model_type", None) not in TESTED_FAMILIES:
