@@ -15,14 +15,50 @@ from shardlm import ShardlmError
 from shardlm.load import is_adapter_folder, is_hf_folder, load_for_inference
 from shardlm.model import context_length, padding_ids
 
+CARD_MARK = "trained with shardlm"  # in every export's README.md (model_card): how an earlier export is known
 
-def _check_target(out: Path) -> None:
-    """Export replaces only an empty folder or an earlier export, never a folder of something else."""
+
+def _is_earlier_export(folder: Path) -> bool:
+    card = folder / "README.md"
+    return ((is_hf_folder(folder) or is_adapter_folder(folder)) and card.is_file()
+            and CARD_MARK in card.read_text(errors="replace"))
+
+
+def _sources(path: Path) -> list[Path]:
+    """What an export of `path` reads: the path itself and, for a run, checkpoint or adapter, its base folder."""
+    import json
+
+    import yaml
+
+    from shardlm.checkpoint import resolve_checkpoint
+
+    found = [path]
+    base = None
+    if is_adapter_folder(path):
+        base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    elif path.is_dir() and not is_hf_folder(path):
+        try:
+            ckpt = resolve_checkpoint(path, log=lambda *_: None)
+        except ShardlmError:
+            return found  # the export itself reports it
+        base = (yaml.safe_load((ckpt / "config.yaml").read_text()).get("model") or {}).get("name")
+    if base and Path(base).expanduser().is_dir():
+        found.append(Path(base).expanduser())
+    return found
+
+
+def _check_target(out: Path, source: Path) -> None:
+    """Export replaces only an empty folder or an earlier shardlm export (its model card says so), never a folder
+    of something else, and never what it reads: the model, or the base of a LoRA run (the run needs it)."""
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"export target '{out}' is a file; give a folder.")
-    if out.is_dir() and any(out.iterdir()) and not (is_hf_folder(out) or is_adapter_folder(out)):
-        raise ShardlmError(f"export target '{out}' is a folder that holds other files (not an earlier export); "
-                           "give a new or empty folder.")
+    if out.is_dir() and any(out.iterdir()):
+        if any(out.resolve() == s.resolve() for s in _sources(source)):
+            raise ShardlmError(f"export target '{out}' is the model being exported or its run's base model "
+                               "(model.name); give a new folder.")
+        if not _is_earlier_export(out):
+            raise ShardlmError(f"export target '{out}' is a folder that holds other files (not an earlier shardlm "
+                               "export); give a new or empty folder.")
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -83,7 +119,7 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
     from transformers import GenerationConfig
 
     out = Path(out_dir).expanduser()
-    _check_target(out)
+    _check_target(out, Path(path).expanduser())
     if adapter:
         return export_adapter(path, out, repo_id)
     model, tokenizer, _cfg, ckpt = load_for_inference(path)
@@ -200,7 +236,7 @@ def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, im
                 'print(generate("ROMEO:", max_new_tokens=100, do_sample=False)[0]["generated_text"])  # greedy', "```"]
     what = "A LoRA adapter" if adapter else "A causal language model"
     return "\n".join([*meta, f"# {Path(model_id).name}", "",
-                      f"{what} trained with shardlm (PyTorch FSDP2).", "", "## Training", "",
+                      f"{what} {CARD_MARK} (PyTorch FSDP2).", "", "## Training", "",
                       *_table(card_rows(model, cfg, facts)), "",
                       *(["![training and validation loss](loss.png)", ""] if image else []),
                       "## How to use", "", *load, "",

@@ -197,12 +197,18 @@ def test_export_never_replaces_a_file_or_a_foreign_folder(hf_folder, tmp_path):
         export(hf_folder, tmp_path / "notes.txt")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "thesis.tex").write_text("precious")
-    with pytest.raises(ShardlmError, match="holds other files .not an earlier export"):
+    with pytest.raises(ShardlmError, match="holds other files .not an earlier shardlm export"):
         export(hf_folder, tmp_path / "home")
     assert (tmp_path / "notes.txt").read_text() == (tmp_path / "home" / "thesis.tex").read_text() == "precious"
     export(hf_folder, tmp_path / "out")
     export(hf_folder, tmp_path / "out")  # an earlier export is replaced
     assert (tmp_path / "out" / "model.safetensors").is_file()
+    with pytest.raises(ShardlmError, match="is the model being exported"):
+        export(tmp_path / "out", tmp_path / "out")
+    before = sorted(p.name for p in hf_folder.iterdir())
+    with pytest.raises(ShardlmError, match="not an earlier shardlm export"):  # e.g. a downloaded model
+        export(tmp_path / "out", hf_folder)
+    assert sorted(p.name for p in hf_folder.iterdir()) == before
 
 
 def test_eval_of_an_export_needs_data(hf_folder):
