@@ -118,9 +118,10 @@ def _linear_types() -> tuple[type, ...]:
 
 
 def linear_names(hf_model: nn.Module) -> list[str]:
-    """Last names of the Linear / Conv1D layers of the model, head included, sorted (for messages)."""
+    """Last names of the Linear / Conv1D layers LoRA can target (not the output head), sorted (for messages)."""
+    head = hf_model.get_output_embeddings()
     return sorted({name.rsplit(".", 1)[-1] for name, m in hf_model.named_modules()
-                   if isinstance(m, _linear_types()) and name})
+                   if isinstance(m, _linear_types()) and name and m is not head})
 
 
 def default_targets(hf_model: nn.Module) -> list[str]:
@@ -142,6 +143,12 @@ def targets_of(hf_model: nn.Module, lc: LoraConfig) -> list[str]:
     """The target names, checked: each must match at least one Linear / Conv1D layer."""
     targets = list(lc.target_modules) if lc.target_modules is not None else default_targets(hf_model)
     linears = [n for n, m in hf_model.named_modules() if isinstance(m, _linear_types()) and n]
+    head = [n for n, m in hf_model.named_modules() if m is hf_model.get_output_embeddings() and n]
+    on_head = [t for t in targets if any(_matches(n, [t]) for n in head)]
+    if on_head:
+        raise ShardlmError(f"lora.target_modules {on_head} match the output head ({head[0]}): the loss reads the "
+                           "head's weight directly, so an adapter there would never train. Target the blocks' "
+                           f"projections ({', '.join(linear_names(hf_model))}); train the head with lora.r=0.")
     unmatched = [t for t in targets if not any(_matches(n, [t]) for n in linears)]
     if unmatched:
         raise ShardlmError(f"lora.target_modules {unmatched} match no linear layer of {type(hf_model).__name__}; "

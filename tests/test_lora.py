@@ -201,14 +201,17 @@ def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_p
     assert {n: folder_digest(f) for n, f in folders.items()} == digests
 
 
-@pytest.mark.parametrize("case", ["targets", "scratch", "adapter_of_full_run", "other_base", "nf4_on_cpu"])
+@pytest.mark.parametrize("case", ["targets", "head", "scratch", "adapter_of_full_run", "other_base", "nf4_on_cpu"])
 def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path):
     from shardlm.export import export
 
     folders, _ = bases
     if case == "targets":
         args, expect = lora_args(corpus, cache_dir, tmp_path, folders["llama"], **{"lora.target_modules": "[qkv]"}), \
-            r"\['qkv'\] match no linear layer .*down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"
+            r"\['qkv'\] match no linear layer .*: down_proj, gate_proj, k_proj, o_proj, q_proj"
+    elif case == "head":  # PEFT would wrap it, but the chunked loss reads the head's weight: never trained
+        args, expect = lora_args(corpus, cache_dir, tmp_path, folders["llama"],
+                                 **{"lora.target_modules": "[q_proj,lm_head]"}), r"\['lm_head'\] match the output head"
     elif case == "scratch":
         args, expect = tiny(corpus, cache_dir, tmp_path, **{"lora.r": 4}), "model.name"
     elif case == "nf4_on_cpu":
