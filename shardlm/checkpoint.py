@@ -287,10 +287,11 @@ class Checkpointer:
         state = {name: self.parts[name].state_dict() for name in SHARDED if name in self.parts}
         return xla.host_copy(state) if self.dist.device.type == "xla" else state
 
-    def base_identity(self) -> dict:
+    def base_identity(self, known: dict | None = None) -> dict:
+        """Computed once per run; `known` (a resumed checkpoint's record) spares re-reading unchanged files."""
         if self._base is None:
             assert self.run.cfg.model.name is not None  # config validation: LoRA adapts a named base
-            self._base = lora.base_identity(self.run.cfg.model.name)
+            self._base = lora.base_identity(self.run.cfg.model.name, known)
         return self._base
 
     def save(self, step: int) -> Path:
@@ -384,7 +385,7 @@ class Checkpointer:
 
     def load(self, path: Path) -> None:
         manifest = json.loads((path / "manifest.json").read_text())
-        check_lora(manifest, self.run.cfg, path, self.base_identity() if self.lora else None)
+        check_lora(manifest, self.run.cfg, path, self.base_identity(manifest.get("base")) if self.lora else None)
         check_compatible(manifest, self.run.hf_config, path)
         sharded = self._sharded()
         dcp.load(sharded, checkpoint_id=str(path))
@@ -429,6 +430,11 @@ def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
         if saved["r"] != cfg.lora.r:
             raise ShardlmError(f"checkpoint {path} holds a LoRA adapter of rank {saved['r']}, this run has lora.r="
                                f"{cfg.lora.r}. Set lora.r={saved['r']} to resume it, or use a new out_dir or "
+                               "checkpoint.resume=none.")
+        if saved.get("alpha", cfg.lora.alpha) != cfg.lora.alpha:  # the adapter's scale alpha / r
+            raise ShardlmError(f"checkpoint {path} holds a LoRA adapter trained with lora.alpha={saved['alpha']}, this "
+                               f"run has lora.alpha={cfg.lora.alpha}: it would rescale what was learned. Set "
+                               f"lora.alpha={saved['alpha']} to resume it, or use a new out_dir or "
                                "checkpoint.resume=none.")
         if saved.get("target_modules") != cfg.lora.target_modules:
             raise ShardlmError(f"checkpoint {path} holds adapters on lora.target_modules="

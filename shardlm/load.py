@@ -51,7 +51,7 @@ def load_lora_checkpoint(ckpt: Path, cfg: Config):
     saved = manifest.get("base") or {}
     if lora.local_base(cfg.model.name) is None and saved.get("path") and Path(saved["path"]).is_dir():
         cfg.model.name = saved["path"]  # e.g. a relative model.name, read from another working directory
-    lora.check_base(saved, lora.base_identity(cfg.model.name), ckpt, what="load it")
+    lora.check_base(saved, lora.base_identity(cfg.model.name, saved), ckpt, what="load it")
     hf_config = AutoConfig.for_model(**json.loads((ckpt / "hf_config.json").read_text()))
     base = initial_model(cfg, hf_config, cfg.train.seed)
     model = lora.peft_model(base, cfg.lora)

@@ -201,7 +201,31 @@ def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_p
     assert {n: folder_digest(f) for n, f in folders.items()} == digests
 
 
-@pytest.mark.parametrize("case", ["targets", "head", "scratch", "adapter_of_full_run", "other_base", "nf4_on_cpu"])
+def test_base_identity_hashes_every_weight_byte_and_rereads_only_changed_files(tmp_path):
+    """A base changed in a few projection weights (same size, header and config) is another base; a checkpoint's
+    record of an unchanged file (name, size, mtime) is trusted, so a resume reads nothing."""
+    import os
+
+    from safetensors.torch import save_file
+
+    from shardlm import lora
+
+    save_file({"w": torch.zeros(1_000_000)}, str(tmp_path / "model.safetensors"))  # 4 MB: 16 x 64 KiB samples miss most
+    first = lora.base_identity(str(tmp_path))
+    data = bytearray((tmp_path / "model.safetensors").read_bytes())
+    data[len(data) // 2 + 100_000] ^= 1  # between two of the sampled digest's 64 KiB reads
+    (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    changed = lora.base_identity(str(tmp_path))
+    assert changed["weights_sha256"] != first["weights_sha256"]
+    with pytest.raises(ShardlmError, match="differs in its weights"):
+        lora.check_base(first, lora.base_identity(str(tmp_path), first), tmp_path)
+    st = os.stat(tmp_path / "model.safetensors")  # a record whose name, size and mtime match is not re-read
+    record = {**first, "weights": [{**first["weights"][0], "mtime_ns": st.st_mtime_ns}]}
+    assert lora.base_identity(str(tmp_path), record)["weights_sha256"] == first["weights_sha256"]
+
+
+@pytest.mark.parametrize("case", ["targets", "head", "scratch", "adapter_of_full_run", "other_base", "alpha",
+                                  "nf4_on_cpu"])
 def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path):
     from shardlm.export import export
 
@@ -217,11 +241,13 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
     elif case == "nf4_on_cpu":
         args, expect = lora_args(corpus, cache_dir, tmp_path, folders["llama"], **{"lora.quantize": "nf4"}), \
             "nf4.*CUDA.*lora.quantize=null"
-    elif case == "other_base":
+    elif case in ("other_base", "alpha"):
         run = tmp_path / "run"
         shutil.copytree(runs["llama"], run)
-        args, expect = lora_args(corpus, cache_dir, run, folders["llama_other"], **{"train.max_steps": STEPS + 2}), \
-            "trained on base model .* differs in its weights.*set model.name to the original base"
+        base, extra = (folders["llama_other"], {}) if case == "other_base" else (folders["llama"], {"lora.alpha": 64})
+        args = lora_args(corpus, cache_dir, run, base, **{"train.max_steps": STEPS + 2, **extra})
+        expect = ("trained on base model .* differs in its weights.*set model.name to the original base"
+                  if case == "other_base" else "trained with lora.alpha=8.0, this run has lora.alpha=64")
     if case == "adapter_of_full_run":
         run = tmp_path / "full"
         train_in_process(tiny(corpus, cache_dir, run, **{"train.max_steps": 1}))
