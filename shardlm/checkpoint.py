@@ -387,6 +387,7 @@ class Checkpointer:
         manifest = json.loads((path / "manifest.json").read_text())
         check_lora(manifest, self.run.cfg, path, self.base_identity(manifest.get("base")) if self.lora else None)
         check_compatible(manifest, self.run.hf_config, path)
+        configured = hyperparameters(self.run.optimizer)
         sharded = self._sharded()
         dcp.load(sharded, checkpoint_id=str(path))
         for name, state in sharded.items():
@@ -400,7 +401,27 @@ class Checkpointer:
                 part.load_state_dict(json.loads(files[self.dist.rank % len(files)].read_text()))
             elif name not in SHARDED:
                 part.load_state_dict(saved if name == "train_state" else saved[name])
+        apply_hyperparameters(self.run.optimizer, self.run.scheduler, configured)
         self.dist.print(f"resumed from {path} (step {manifest['step']}, saved on {manifest['world_size']} rank(s))")
+
+
+HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+
+
+def apply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, configured: list[dict[str, Any]]) -> None:
+    """A resume restores the moments and the step, but the learning rate, weight decay and betas are this run's
+    config: loading the optimizer and LambdaLR states put back the saved ones (a changed train.lr was reported
+    and ignored). The schedule's factor at the restored step is the config's own."""
+    for group, values in zip(optimizer.param_groups, configured, strict=True):
+        group.update(values)
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def check_compatible(manifest: dict, hf_config, path: Path) -> None:

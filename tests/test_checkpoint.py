@@ -91,7 +91,9 @@ def test_resume_on_another_world_size(killed_without_dropout, corpus, cache_dir,
 
 
 def test_retention_and_torn_newest(corpus, cache_dir, tmp_path):
-    shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"checkpoint.every": 2, "checkpoint.keep": 2})])
+    """... and a resume trains with this invocation's train.lr (the saved optimizer and schedule held the old)."""
+    flat = {"train.min_lr_ratio": 1.0}  # constant after warmup: the logged lr is train.lr
+    shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"checkpoint.every": 2, "checkpoint.keep": 2, **flat})])
     names = [p.name for p in list_checkpoints(tmp_path)]
     assert names == ["step_000000010", "step_000000008"]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000000010"
@@ -100,8 +102,11 @@ def test_retention_and_torn_newest(corpus, cache_dir, tmp_path):
     logs = []
     assert newest_complete(tmp_path, log=logs.append).name == "step_000000008"
     assert "skipping checkpoint step_000000010" in logs[0]
-    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 12})])
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 12, "train.lr": 1e-3,
+                                                                      **flat})])
     assert "resumed from" in proc.stdout and "step_000000008" in proc.stdout
+    assert "train.lr 0.003 -> 0.001" in proc.stdout
+    assert {r["step"]: r["lr"] for r in records(tmp_path)} == {s: 3e-3 if s <= 8 else 1e-3 for s in range(1, 13)}
 
 
 def test_sigterm_saves_exits_zero_and_resumes_exact(reference, corpus, cache_dir, tmp_path):
