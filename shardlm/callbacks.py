@@ -11,9 +11,11 @@ used to be special cases inside it (the test suite's injected faults, for one) i
     on_checkpoint_saved(trainer, step, path)      once a checkpoint is complete on disk (every rank)
     on_train_end(trainer, summary)                after the loop: {"val", "steps", "wall_s"}
 
-`trainer.request_stop()` ends the run after the current step with a checkpoint, as SIGTERM does. It must be
-called on every rank at the same step, so base the decision on global values (`metrics`, `result["grad_norm"]`),
-not on a rank's own loss.
+`trainer.request_stop()` ends the run after the current step with a checkpoint, as SIGTERM does;
+`trainer.request_stop(reason)` ends it for good (the run reports the reason instead of "rerun to resume"). It
+must be called on every rank at the same step, so base the decision on global values (`metrics`,
+`result["grad_norm"]`), not on a rank's own loss. A callback with `state_dict()` / `load_state_dict(state)`
+(JSON values) has its state saved in every checkpoint and restored on resume.
 
 Loading one from the command line: `shardlm train --callback SPEC` (repeatable), SPEC = `MODULE:NAME` or
 `path/to/file.py:NAME`, optionally called with literal arguments: `my_callbacks:EarlyStop(patience=3)`. NAME is
@@ -70,15 +72,27 @@ class EarlyStopping(Callback):
         self.patience, self.min_delta = patience, min_delta
         self.best, self.waited = float("inf"), 0
 
+    def state_dict(self) -> dict[str, float]:
+        return {"best": self.best, "waited": self.waited}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.best, self.waited = state["best"], int(state["waited"])
+
+    def _reason(self) -> str:
+        return f"early stopping: val loss {self.best:.4f} not improved in {self.waited} evaluations"
+
+    def on_train_begin(self, trainer: Trainer) -> None:
+        if self.waited >= self.patience:  # a rerun of a run this callback stopped: it stays stopped
+            trainer.request_stop(self._reason())
+
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if metrics["loss"] < self.best - self.min_delta:
             self.best, self.waited = metrics["loss"], 0
             return
         self.waited += 1
         if self.waited >= self.patience:
-            trainer.dist.print(f"early stopping: val loss {self.best:.4f} not improved in {self.patience} "
-                               "evaluations")
-            trainer.request_stop()
+            trainer.dist.print(self._reason())
+            trainer.request_stop(self._reason())
 
 
 class GenerationQuality(Callback):
@@ -134,6 +148,17 @@ class Callbacks(Callback):
 
     def on_train_end(self, trainer: Trainer, summary: dict[str, Any]) -> None:
         self._emit("on_train_end", trainer, summary)
+
+    def _stateful(self) -> dict[str, Any]:
+        return {f"{i}:{type(cb).__name__}": cb for i, cb in enumerate(self.callbacks) if hasattr(cb, "state_dict")}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: cb.state_dict() for key, cb in self._stateful().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, cb in self._stateful().items():
+            if key in state:
+                cb.load_state_dict(state[key])
 
 
 def _bad(spec: str, why: str) -> ShardlmError:

@@ -30,6 +30,11 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
     if run.dist.is_main:
         record_config(cfg, run.out_dir, run.dist.print)
     result = trainer.fit()
+    if trainer.stop_reason:
+        run.dist.print(f"stopped at step {trainer.step} for good ({trainer.stop_reason}); checkpoints: "
+                       f"{run.out_dir / 'checkpoints'}. A rerun stays stopped: to train on, drop the callback "
+                       "or loosen it.")
+        return result
     if trainer.stop_requested:
         run.dist.print(f"saved step {trainer.step} to {run.out_dir / 'checkpoints'}; rerun the same command to "
                        "resume")

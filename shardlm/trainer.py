@@ -57,6 +57,7 @@ class Trainer:
         self.sampler = train_sampler(run.train, t.seed)
         self.step, self.position, self.bad_steps, self.skipped_steps = 0, 0, 0, 0
         self.stop_requested = False
+        self.stop_reason: str | None = None  # set by a callback's final stop (early stopping), not by signals
         self.callbacks = Callbacks(callbacks)
         self.fp8 = self.cfg.parallel.precision == "fp8"
         self.params = list(self.model.parameters())
@@ -73,14 +74,16 @@ class Trainer:
         return cls(build(cfg), **options)
 
     # ---- state: what a checkpoint keeps of the trainer ---------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "position": self.position, "global_batch": self.global_batch,
-                "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps}
+                "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
+                "callbacks": self.callbacks.state_dict()}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """The data stream continues at the saved position even when the global batch changed."""
         self.step, self.position = state["step"], state["position"]
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
+        self.callbacks.load_state_dict(state.get("callbacks", {}))
         if state["global_batch"] != self.global_batch:
             self.dist.print(f"note: global batch changed {state['global_batch']} -> {self.global_batch} blocks; "
                             f"the data stream continues at block {self.position}")
@@ -91,9 +94,11 @@ class Trainer:
             return None
         return [int(n) * self.seq_len for n in self.sampler.counts(self.position)]
 
-    def request_stop(self) -> None:
-        """End `fit` after this step, with a checkpoint (as SIGTERM does); call it on every rank at one step."""
+    def request_stop(self, reason: str | None = None) -> None:
+        """End `fit` after this step, with a checkpoint (as SIGTERM does); call it on every rank at one step.
+        With a `reason` the stop is final (early stopping): the run does not say "rerun to resume"."""
         self.stop_requested = True
+        self.stop_reason = reason or self.stop_reason
 
     # ---- numbers benchmarks/mfu.py reads (they live in shardlm.reporting) ----------------------------------
     @property

@@ -2,6 +2,7 @@
 signal handlers given back, and `--callback` specs (by module or file, with literal arguments; bad ones fail
 with one line)."""
 
+import json
 import signal
 
 import pytest
@@ -68,11 +69,16 @@ def test_early_stopping_waits_patience_evaluations_without_improvement():
 
     class Run:  # the two things EarlyStopping touches
         dist = type("D", (), {"print": staticmethod(print)})()
-        request_stop = staticmethod(lambda: stopped.append(True))
+        request_stop = staticmethod(lambda reason=None: stopped.append(reason))
 
     for loss in (3.0, 2.5, 2.45, 2.6):  # 2.45 is not better by more than 0.1: the second miss stops
         stopper.on_evaluate(Run, {"loss": loss})
         assert bool(stopped) == (loss == 2.6)
+    assert "not improved in 2 evaluations" in stopped[0]  # a final stop: the run does not offer a resume
+    rerun = load("shardlm.callbacks:EarlyStopping(patience=2, min_delta=0.1)")
+    rerun.load_state_dict(json.loads(json.dumps(stopper.state_dict())))  # as trainer_state.json keeps it
+    rerun.on_train_begin(Run)  # a rerun of the stopped run stays stopped
+    assert len(stopped) == 2 and rerun.best == 2.5
 
 
 def test_gen_every_records_generation_quality_during_training(corpus, cache_dir, tmp_path):
