@@ -169,7 +169,20 @@ def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Fiel
     return keys
 
 
+# Other trainers' names for shardlm keys (HF TrainingArguments, ...): suggested before spelling neighbours
+ALIASES = {"learning_rate": "lr", "lerning_rate": "lr", "per_device_train_batch_size": "batch_size",
+           "gradient_accumulation_steps": "grad_accum", "num_train_epochs": "epochs", "max_grad_norm": "grad_clip",
+           "adam_beta1": "beta1", "adam_beta2": "beta2", "block_size": "seq_len", "output_dir": "out_dir"}
+
+
 def nearest(word: str, choices: list[str] | tuple[str, ...]) -> str:
+    prefix, _, tail = word.rpartition(".")
+    alias = ALIASES.get(tail)
+    if alias is not None:
+        same = [c for c in choices if c.rsplit(".", 1)[-1] == alias]
+        best = [c for c in same if c.rpartition(".")[0] == prefix] or same
+        if best:
+            return f" Did you mean '{best[0]}'?"
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.4)
     if not match:  # try the last component alone: "batchsize" -> "train.batch_size"
         tails = {c.rsplit(".", 1)[-1]: c for c in choices}
@@ -269,6 +282,9 @@ def config_summary(path: Path) -> str:
     return next((line.lstrip("#").strip() for line in lines if line.startswith("#")), "")
 
 
+DATA_SUFFIXES = {".txt", ".csv", ".tsv", ".jsonl", ".json", ".parquet", ".arrow", ".gz", ".zst", ".bz2", ".xz", ".md"}
+
+
 def config_path(arg: str | Path) -> Path:
     """The one place a config argument becomes a file: a path that exists, else a bundled config by name
     (`shakespeare_tiny` or `shakespeare_tiny.yaml`, no folder)."""
@@ -287,16 +303,23 @@ def config_path(arg: str | Path) -> Path:
                        "(`shardlm configs` describes them).")
 
 
+def _data_hint(path: Path) -> str:
+    if path.suffix.lower() not in DATA_SUFFIXES:
+        return ""
+    return (f" '{path.name}' looks like data: train on it with data.train={path} (arguments before the first "
+            "key=value are read as config files).")
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         tree = yaml.safe_load(_read_text(path)) or {}
     except yaml.YAMLError as e:
-        raise ShardlmError(f"config file '{path}' is not valid YAML: {_yaml_message(e)}") from None
+        raise ShardlmError(f"config file '{path}' is not valid YAML: {_yaml_message(e)}{_data_hint(path)}") from None
     if not isinstance(tree, dict):
         raise ShardlmError(
             f"config file '{path}' holds a {_yaml_kind(tree)}, not a mapping of sections: write sections such as "
             "'train:' with indented 'batch_size: 8' lines (see configs/). Arguments before the first key=value "
-            "are read as config files.")
+            f"are read as config files.{_data_hint(path)}")
     _check_keys(tree, str(path))
     return _flatten(tree)
 

@@ -201,7 +201,8 @@ def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
     rows = [("architecture", f"{c.model_type}, {n_params / 1e6:.2f}M parameters, {getattr(c, 'num_hidden_layers', '?')}"
              f" layers, width {getattr(c, 'hidden_size', '?')}, context {positions}, vocabulary {c.vocab_size}"),
             ("base model", (cfg.model.name or "none: trained from scratch") if cfg else None),
-            ("tokenizer", (cfg.model.tokenizer or "the base model's") if cfg else None),
+            ("tokenizer", (cfg.model.tokenizer or ("the base model's" if cfg.model.name else "bytes"))
+             if cfg else None),
             ("training data", _data(cfg.data) if cfg else None),
             ("validation data", (cfg.data.val or f"the last {cfg.data.val_fraction:.0%} of "
                                  f"{'each source' if isinstance(cfg.data.train, list) else 'the training data'}")

@@ -77,8 +77,12 @@ def test_bad_overrides_name_the_key(overrides, words):
 def test_unknown_key_in_yaml_names_file_and_nearest(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  learning_rate: 0.1\n")
-    with pytest.raises(ShardlmError, match=r"train.learning_rate.*c.yaml"):
+    with pytest.raises(ShardlmError, match=r"train.learning_rate.*c.yaml. Did you mean 'train.lr'"):
         load_config(path)
+    data = tmp_path / "input.txt"  # a corpus given where a config goes
+    data.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\nAll:\nSpeak, speak.\n")
+    with pytest.raises(ShardlmError, match=r"input.txt' is not valid YAML.*looks like data: .*data.train="):
+        load_config(data)
 
 
 @pytest.mark.parametrize("text, words", [

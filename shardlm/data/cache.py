@@ -157,7 +157,8 @@ def _build(source: Source, tokenizer, folder: Path, text_field: str, rows_are_do
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"tokenized {stats['documents']} documents into {stats['num_tokens']:,} tokens in {seconds:.1f}s "
+    docs = stats["documents"]
+    log(f"tokenized {docs:,} document{'s' if docs != 1 else ''} into {stats['num_tokens']:,} tokens in {seconds:.1f}s "
         f"({stats['text_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
 
 
