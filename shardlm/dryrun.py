@@ -1,25 +1,33 @@
 """`shardlm train CONFIG --dry-run`: every check a run makes before its first step, without the work.
 
-The config is validated, the data specs resolved (files found; Hugging Face datasets named, not
-downloaded), the tokenizer and the model's config read, the parameters counted on the `meta` device and
-the parallel plan checked for the world size the run would have. Nothing is written: no out_dir, no cache.
+The config is validated, the data specs resolved (files found and the first records of each read, so a missing
+CSV column or a malformed first line shows; Hugging Face datasets named, not downloaded), the tokenizer and the
+model's config read, the parameters counted on the `meta` device (LoRA's adapters injected there, so target
+errors show), the checkpoint a run would resume checked against the config (model, LoRA rank, alpha, targets
+and base), and the parallel plan checked for the world size the run would have. Nothing is written: no out_dir,
+no cache.
 A hub name that cannot be reached offline is reported as such rather than failed, so a config written for
 a networked machine still validates here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import json
 import re
 from pathlib import Path
 
 import torch
 
-from shardlm import ShardlmError
+from shardlm import ShardlmError, lora
 from shardlm.config import Config
 
+PEEK_FILES, PEEK_RECORDS = 100, 2  # what of the data a dry run reads
 
-def _data_line(name: str, spec: str | None, default_split: str, data_files=None) -> str:
-    from shardlm.data.sources import resolve
+
+def _data_line(name: str, spec: str | None, default_split: str, data_files=None, field: str = "text") -> str:
+    from shardlm.data.sources import iter_documents, resolve
 
     if spec is None:
         return f"{name}: none (the tail of the training data is held out)"
@@ -28,6 +36,8 @@ def _data_line(name: str, spec: str | None, default_split: str, data_files=None)
         repo, config, split = source.hf
         return f"{name}: Hugging Face dataset {repo}" + (f"/{config}" if config else "") + f", split {split}" \
             " (not downloaded by a dry run)"
+    for path in source.files[:PEEK_FILES]:
+        list(itertools.islice(iter_documents(dataclasses.replace(source, files=(path,)), field), PEEK_RECORDS))
     size = sum(p.stat().st_size for p in source.files)
     return f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB"
 
@@ -48,9 +58,32 @@ def _model_lines(cfg: Config) -> list[str]:
             return [f"model: {cfg.model.name or 'from scratch'}; not checked: {', '.join(names)} is a hub name, "
                     "the Hub cannot be reached and it is not in the local HF cache (it downloads when online)"]
         raise
-    n = num_params(empty_model(hf_cfg, "meta"))
+    model = empty_model(hf_cfg, "meta")
+    if lora.enabled(cfg):
+        lora.apply(model, cfg.lora)
+    n, trainable = num_params(model), num_params(model, trainable_only=True)
     what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
-    return [f"model: {what}, {n / 1e6:.2f}M parameters; tokenizer {tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
+    adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg) else ""
+    return [f"model: {what}, {n / 1e6:.2f}M parameters{adapters}; tokenizer {tokenizer_spec(cfg.model)}, "
+            f"{len(tokenizer)} tokens", *_resume_lines(cfg, hf_cfg)]
+
+
+def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
+    """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it."""
+    from shardlm.checkpoint import check_compatible, check_lora, newest_complete, resolve_checkpoint
+
+    spec = cfg.checkpoint.resume
+    if spec == "none":
+        return []
+    path = newest_complete(Path(cfg.out_dir), log=lambda *_: None) if spec == "auto" else \
+        resolve_checkpoint(spec, log=lambda *_: None)
+    if path is None:
+        return []
+    manifest = json.loads((path / "manifest.json").read_text())
+    base = lora.base_identity(cfg.model.name, manifest.get("base")) if lora.enabled(cfg) and cfg.model.name else None
+    check_lora(manifest, cfg, path, base)
+    check_compatible(manifest, hf_cfg, path)
+    return [f"resume: {path} (step {manifest['step']})"]
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
@@ -63,9 +96,11 @@ def dry_run(cfg: Config, world_size: int) -> str:
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     pl = plan(cfg, world_size, world_size, device)
     train = cfg.data.train
-    lines = [*([_data_line(f"data.train[{i}]", spec, "train", cfg.data.data_files) for i, spec in enumerate(train)]
-               if isinstance(train, list) else [_data_line("data.train", train, "train", cfg.data.data_files)]),
-             _data_line("data.val", cfg.data.val, "validation", cfg.data.data_files),
+    d = cfg.data
+    specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(train)] if isinstance(train, list) else \
+        [("data.train", train)]
+    lines = [*(_data_line(name, spec, "train", d.data_files, d.text_field) for name, spec in specs),
+             _data_line("data.val", d.val, "validation", d.data_files, d.text_field),
              *_model_lines(cfg),
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")

@@ -319,6 +319,11 @@ def test_parquet_without_the_text_column_lists_its_columns(tmp_path):
     assert "a.parquet: Parquet file has no 'text' column (columns: id, body). Set data.text_field" in \
         _data_error(tmp_path / "a.parquet", tmp_path)
     assert "column 'id' holds int64, not text" in _data_error(tmp_path / "a.parquet", tmp_path, text_field="id")
+    from shardlm.config import load_config
+    from shardlm.dryrun import dry_run
+
+    with pytest.raises(ShardlmError, match="has no 'text' column"):  # `train --dry-run` reads the first records
+        dry_run(load_config(None, [f"data.train={tmp_path / 'a.parquet'}", "model.tokenizer=bytes"]), 1)
     import random
 
     rng = random.Random(0)

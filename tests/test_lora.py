@@ -257,6 +257,12 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
     else:
         with pytest.raises(ShardlmError, match=expect) as err:
             train_in_process(args)
+    if case in ("targets", "head", "other_base", "alpha"):  # `train --dry-run` makes the same checks
+        from shardlm.config import load_config
+        from shardlm.dryrun import dry_run
+
+        with pytest.raises(ShardlmError, match=expect):
+            dry_run(load_config(None, args), 1)
     assert "\n" not in str(err.value)  # the CLI prints a ShardlmError as one `error: ...` line (test_errors)
 
 
