@@ -17,7 +17,6 @@ from shardlm import dist as dist_mod
 from shardlm.config import Config
 from shardlm.data import Blocks, prepare_data
 from shardlm.dist import Dist
-from shardlm.kernels import use_cpu_kernels
 from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
 from shardlm.parallel import Plan, ShardLocalAdamW, parallelize, plan
 from shardlm.tokenizer import model_tokenizer
@@ -104,15 +103,13 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
     if pl.use_fsdp:
         hf = empty_model(hf_cfg, "meta")
         model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg) else hf, chunk)
+        parallelize(model, cfg, pl, dist)
+        materialize(model, cfg, hf_cfg, dist)
     else:
         model = CausalLM(_initial_hf(cfg, hf_cfg, dist.device), chunk)
         if dist.device.type != "xla" and not lora.quantized(cfg):  # xla moves it itself; QLoRA's is there
             model.to(dist.device)
-    if dist.device.type == "cpu":
-        use_cpu_kernels(model)
-    parallelize(model, cfg, pl, dist)
-    if pl.use_fsdp:
-        materialize(model, cfg, hf_cfg, dist)
+        parallelize(model, cfg, pl, dist)
     return model
 
 

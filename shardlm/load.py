@@ -24,7 +24,6 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.checkpoint import resolve_checkpoint
 from shardlm.config import Config, LoraConfig, config_from_dict
-from shardlm.kernels import use_cpu_kernels
 from shardlm.model import fill_meta_buffers
 
 
@@ -136,8 +135,6 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"), trust_remote_code=trust_remote_code)
     model.config.use_cache = True
     fill_meta_buffers(model)
-    if device == "cpu":
-        use_cpu_kernels(model)
     return model.to(device).eval(), tokenizer, cfg, ckpt
 
 
