@@ -458,7 +458,11 @@ def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
                                f"lora.alpha={saved['alpha']} to resume it, or use a new out_dir or "
                                "checkpoint.resume=none.")
         if saved.get("target_modules") != cfg.lora.target_modules:
+            def spelled(targets: list[str] | None) -> str:
+                return "null (every attention and MLP projection)" if targets is None else str(targets)
+
             raise ShardlmError(f"checkpoint {path} holds adapters on lora.target_modules="
-                               f"{saved.get('target_modules')}, this run has {cfg.lora.target_modules}. Set "
+                               f"{spelled(saved.get('target_modules'))}, this run has "
+                               f"{spelled(cfg.lora.target_modules)}. Set "
                                "lora.target_modules to the checkpoint's to resume it, or use a new out_dir or "
                                "checkpoint.resume=none.")

@@ -141,7 +141,8 @@ options, config files and key=value overrides mix in any order; later files and 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="shardlm", description="Train GPT-2-family models with PyTorch FSDP2.",
+    p = argparse.ArgumentParser(prog="shardlm", description="Train and fine-tune causal language models (GPT-2, "
+                                "Llama, Qwen, Mistral, Gemma, Phi, ...; full or LoRA) with PyTorch FSDP2.",
                                 epilog="shardlm COMMAND --help shows each command's options and examples.")
     p.add_argument("--version", action="version", version=f"shardlm {__version__}")
     sub = p.add_subparsers(dest="command", required=True)

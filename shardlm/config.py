@@ -67,7 +67,7 @@ class LoraConfig:
     r: int = 0  # LoRA rank; 0 = off (full fine-tuning)
     alpha: float = 16.0  # LoRA scaling numerator (scale = alpha / r)
     dropout: float = 0.0  # dropout on the LoRA path
-    target_modules: list[str] | None = None  # module names to adapt; None = the family's attention and MLP projections
+    target_modules: list[str] | None = None  # module names to adapt; None (or all-linear) = every linear of the blocks
     quantize: str | None = None  # nf4 = QLoRA (bitsandbytes, CUDA only); None = base weights in parallel.precision
 
 
@@ -345,6 +345,11 @@ def build_config(flat: dict[str, Any]) -> Config:
             value = _as_spec(value)
         if key == "parallel.compile" and isinstance(value, bool):  # YAML true/false, as before `model`/`blocks`
             value = "model" if value else "false"
+        if key == "lora.target_modules" and isinstance(value, str):
+            if value != "all-linear":  # PEFT's keyword: every linear layer but the head, i.e. the default
+                raise ShardlmError(f"lora.target_modules={value!r}: give a list of module names such as "
+                                   "[q_proj,v_proj], or null (or all-linear) for every linear layer of the blocks.")
+            value = None
         try:
             OmegaConf.update(schema, key, value, merge=False)
         except OmegaConfBaseException:
@@ -499,8 +504,13 @@ def to_flat_dict(cfg: Config) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
+    """YAML with the public key names (`checkpoint.async`, not the field's `async_save`)."""
+    tree = to_dict(cfg)
+    for public, field_name in KEY_ALIASES.items():
+        section, name = field_name.split(".")
+        tree[section] = {public.split(".")[1] if k == name else k: v for k, v in tree[section].items()}
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.write_text(yaml.safe_dump(tree, sort_keys=False))
     tmp.replace(path)
 
 

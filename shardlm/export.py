@@ -221,6 +221,11 @@ def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
     return rows
 
 
+def _loadable(base: str | None) -> str | None:
+    """A local base folder as an absolute path (as adapter_config.json has it): the card's example runs anywhere."""
+    return str(Path(base).expanduser().resolve()) if base and Path(base).expanduser().is_dir() else base
+
+
 def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, image: bool = False) -> str:
     """README.md: what the model is, what it was trained on and how far, and how to load it."""
     base = cfg.model.name if cfg is not None and cfg.model.name else None
@@ -228,7 +233,7 @@ def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, im
             "tags: [shardlm, causal-lm]", *([f"base_model: {base}"] if base and not Path(base).exists() else []), "---"]
     if adapter:
         load = ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+                f'base = AutoModelForCausalLM.from_pretrained("{_loadable(base)}")',
                 f'model = PeftModel.from_pretrained(base, "{model_id}")', "```"]
     else:
         load = ["```python", "from transformers import pipeline", "",

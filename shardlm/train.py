@@ -39,8 +39,9 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
         run.dist.print(f"saved step {trainer.step} to {run.out_dir / 'checkpoints'}; rerun the same command to "
                        "resume")
         return result
-    run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}; "
-                   f"checkpoints: {run.out_dir / 'checkpoints'})")
+    checkpoints = run.out_dir / "checkpoints"
+    run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}"
+                   + (f"; checkpoints: {checkpoints})" if checkpoints.is_dir() else ")"))
     if cfg.checkpoint.export_final:
         from shardlm.export import export
 

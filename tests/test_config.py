@@ -112,8 +112,10 @@ def test_zero_and_fsdp1_sharding_names_resolve_to_shardlm_names(tmp_path):
 
 
 def test_saved_config_round_trips(tmp_path):
-    cfg = load_config(None, ["train.lr=0.5", "parallel.sharding=hybrid_grad"])
+    cfg = load_config(None, ["train.lr=0.5", "parallel.sharding=hybrid_grad", "checkpoint.async=true"])
     save_config(cfg, tmp_path / "config.yaml")
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["checkpoint"]["async"] is True  # the public name
+    assert load_config(tmp_path / "config.yaml").checkpoint.async_save
     again = load_config(
         None,
         [
@@ -158,3 +160,9 @@ def test_shardlm_configs_lists_each_bundled_config_in_one_line(capsys):
     assert done.value.code == 0 and [line.split()[0] for line in lines] == list(bundled_configs())
     first = {name: path.read_text().splitlines()[0].removeprefix("# ") for name, path in bundled_configs().items()}
     assert all(line.endswith(first[line.split()[0]]) and line[-1] in ".)" for line in lines), lines
+
+
+def test_lora_target_modules_all_linear_is_the_default_and_a_bare_name_is_refused():
+    assert load_config(None, ["lora.target_modules=all-linear"]).lora.target_modules is None  # PEFT's keyword
+    with pytest.raises(ShardlmError, match=r"lora.target_modules='q_proj': give a list .*\[q_proj,v_proj\]"):
+        load_config(None, ["lora.target_modules=q_proj"])
