@@ -436,6 +436,10 @@ def check_compatible(manifest: dict, hf_config, path: Path) -> None:
                            "checkpoint's architecture, or set checkpoint.resume=none / a new out_dir.")
 
 
+def _spelled(targets: list[str] | None) -> str:
+    return "null (every linear layer of the blocks)" if targets is None else str(targets)
+
+
 def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
     """A LoRA checkpoint resumes only as LoRA (same rank) on the same base; a full one only as full."""
     saved = manifest.get("lora")
@@ -458,11 +462,8 @@ def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
                                f"lora.alpha={saved['alpha']} to resume it, or use a new out_dir or "
                                "checkpoint.resume=none.")
         if saved.get("target_modules") != cfg.lora.target_modules:
-            def spelled(targets: list[str] | None) -> str:
-                return "null (every attention and MLP projection)" if targets is None else str(targets)
-
             raise ShardlmError(f"checkpoint {path} holds adapters on lora.target_modules="
-                               f"{spelled(saved.get('target_modules'))}, this run has "
-                               f"{spelled(cfg.lora.target_modules)}. Set "
+                               f"{_spelled(saved.get('target_modules'))}, this run has "
+                               f"{_spelled(cfg.lora.target_modules)}. Set "
                                "lora.target_modules to the checkpoint's to resume it, or use a new out_dir or "
                                "checkpoint.resume=none.")
