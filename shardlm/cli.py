@@ -174,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
             "  shardlm eval runs/demo --generation 200   (+ generation quality; appended to metrics.jsonl)\n")
     e.add_argument("path", help="a checkpoint (checkpoints/step_N), a run dir (its newest checkpoint) or an "
                                 "exported Hugging Face folder")
-    e.add_argument("--stride", type=int, default=0, help="sliding-window perplexity with this stride")
+    e.add_argument("--stride", type=int, default=None, help="sliding-window perplexity with this stride")
     e.add_argument("--generation", type=int, default=0, metavar="N",
                    help="also sample N continuations of held-out prompts (first half of validation blocks) and "
                         "report distinct-n, rep-4, self-BLEU, ROUGE-L and MAUVE (pip install shardlm[gen])")

@@ -137,14 +137,14 @@ class GenOptions:
                 require(module)
 
 
-def evaluate_path(path: str, overrides: list[str], stride: int = 0, gen: GenOptions | None = None) -> dict:
+def evaluate_path(path: str, overrides: list[str], stride: int | None = None, gen: GenOptions | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = gen or GenOptions()
     gen.check()  # before any model is loaded
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON line alone (scripts parse it)
         model, tokenizer, saved, ckpt = load_for_inference(path, device.type)
         context = context_length(model.config) or 1024
-        if not 0 <= stride <= context:
+        if stride is not None and not 1 <= stride <= context:
             raise ShardlmError(f"--stride {stride}: give 1..{context} (the model's context); a larger stride "
                                "would skip the tokens between windows.")
         flat = to_flat_dict(inference_config(saved))
@@ -155,7 +155,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int = 0, gen: GenOpti
     seq_len = min(cfg.data.seq_len, context)
     if gen.n:
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
-    result = _evaluate(model, tokens, cfg, context, stride, device)
+    result = _evaluate(model, tokens, cfg, context, stride or 0, device)
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']:,} tokens)", file=sys.stderr)
     if gen.n:

@@ -175,6 +175,10 @@ def draw(panel: Panel, runs: list[RunData]) -> Figure | None:
 
 def plot_runs(runs: list[str], out: str | None = None) -> list[Path]:
     data = load_runs(runs)
+    empty = [d.name for d in data if not d.records]
+    if empty:
+        raise ShardlmError(f"no metrics records in {', '.join(empty)} (metrics.jsonl is empty): nothing to plot. "
+                           "A run writes one every train.log_every steps.")
     out_dir = Path(out) if out else Path(runs[0]) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -33,11 +33,13 @@ from shardlm.parallel import clip_grad_norm, set_gradient_sync
 
 class StepResult(TypedDict):
     """What `train_step` returns: this rank's summed token loss (a 0-d tensor, not synced), the global gradient
-    norm before clipping, and whether the update was applied (False: non-finite, skipped)."""
+    norm before clipping, whether the update was applied (False: non-finite, skipped) and the learning rate it
+    used (read before the schedule moves on)."""
 
     loss_sum: torch.Tensor
     grad_norm: float
     finite: bool
+    lr: float
 
 
 class Trainer:
@@ -177,6 +179,7 @@ class Trainer:
         if not self.model.training:  # train() walks every module: not per step
             self.model.train()
         opt = self.run.optimizer
+        lr = float(opt.param_groups[0]["lr"])
         loss_sum = torch.zeros((), device=self.device)
         for m in range(self.accum):
             tokens = self._train_batch(m)
@@ -203,7 +206,7 @@ class Trainer:
             self.run.scheduler.step()
         self.step += 1
         self.position += self.global_batch
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite}
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite, "lr": lr}
 
     def _check_finite(self, result: StepResult) -> None:
         if result["finite"]:
@@ -251,7 +254,7 @@ class Trainer:
                 self.callbacks.on_step_end(self, result)
                 self._check_finite(result)
                 if self.step % t.log_every == 0 or self.step == total:
-                    report.log_train(self.step, lr=float(self.run.scheduler.get_last_lr()[0]),
+                    report.log_train(self.step, lr=result["lr"],
                                      grad_norm=result["grad_norm"], tokens=self.position * self.seq_len,
                                      skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < total:

@@ -106,7 +106,9 @@ def test_retention_and_torn_newest(corpus, cache_dir, tmp_path):
                                                                       **flat})])
     assert "resumed from" in proc.stdout and "step_000000008" in proc.stdout
     assert "train.lr 0.003 -> 0.001" in proc.stdout
-    assert {r["step"]: r["lr"] for r in records(tmp_path)} == {s: 3e-3 if s <= 8 else 1e-3 for s in range(1, 13)}
+    # the lr each step ran with: warmup's half at step 1, the saved 3e-3 up to the resume, then the new 1e-3
+    assert {r["step"]: r["lr"] for r in records(tmp_path)} == {1: 1.5e-3, **{s: 3e-3 if s <= 8 else 1e-3
+                                                                            for s in range(2, 13)}}
 
 
 def test_sigterm_saves_exits_zero_and_resumes_exact(reference, corpus, cache_dir, tmp_path):

@@ -7,7 +7,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.data import GlobalSampler, eval_shares, micro_batch_position
 from shardlm.data.cache import build_cache, load_tokens
-from shardlm.data.sources import parse_hf, resolve
+from shardlm.data.sources import iter_documents, parse_hf, resolve
 from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 EOS = 256
@@ -324,6 +324,9 @@ def test_hf_json_with_data_files(tmp_path):
     assert list(load_tokens(folder)) == expected_bytes()
     with pytest.raises(ShardlmError, match="'hf:json' reads local files .*set data.data_files"):
         resolve("hf:json")
+    (tmp_path / "lines.txt").write_text("one\ntwo\n")  # hf:text rows are lines without their newline
+    pieces = list(iter_documents(resolve("hf:text", "train", str(tmp_path / "lines.txt")), rows_are_documents=False))
+    assert "".join(text for text, _ in pieces) == "one\ntwo\n"
 
 
 def test_hf_dataset_downloaded_earlier_loads_offline_from_the_hf_cache(tmp_path, monkeypatch):

@@ -124,7 +124,7 @@ def hf_model(tmp_path):
     return folder
 
 
-@pytest.mark.parametrize("stride", [0, 8])
+@pytest.mark.parametrize("stride", [None, 8])
 def test_eval_reports_progress_on_stderr_and_one_json_line(hf_model, tmp_path, capsys, stride):
     from shardlm.evaluate import evaluate_path
 
@@ -142,7 +142,7 @@ def test_eval_reports_progress_on_stderr_and_one_json_line(hf_model, tmp_path, c
         assert results[0]["tokens"] == len(val.read_bytes())  # bytes + EOS, minus the first token
 
 
-@pytest.mark.parametrize("stride", [-1, 33])
+@pytest.mark.parametrize("stride", [0, 33])
 def test_eval_refuses_a_stride_that_skips_tokens(hf_model, stride):
     from shardlm import ShardlmError
     from shardlm.evaluate import evaluate_path

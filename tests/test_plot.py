@@ -75,3 +75,7 @@ def test_plot_writes_pngs_and_overlays_runs(tmp_path):
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     with pytest.raises(ShardlmError, match="no metrics.jsonl"):
         plot_runs([str(tmp_path)])
+    (tmp_path / "a" / "metrics.jsonl").write_text("")
+    with pytest.raises(ShardlmError, match="no metrics records in a .*nothing to plot"):
+        plot_runs([str(tmp_path / "a")])
+    assert not (tmp_path / "a" / "plots").exists()

@@ -244,7 +244,10 @@ def _iter_hf(source: Source, field: str, rows_are_documents: bool) -> Iterator[t
     repo, config, split = source.hf  # type: ignore[misc]
     try:
         for row in _load_hf(source, split):
-            yield row[field] or "", rows_are_documents  # a null cell is an empty document
+            text = row[field] or ""  # a null cell is an empty document
+            if not rows_are_documents and text and not text.endswith("\n"):
+                text += "\n"  # rows are lines (hf:text strips them): keep the break, as WikiText's rows do
+            yield text, rows_are_documents
     except ShardlmError:
         raise
     except KeyError:
