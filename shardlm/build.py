@@ -137,17 +137,18 @@ def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
 
 
 def count_steps(cfg: Config, train: Blocks, world: int) -> int:
-    """train.epochs counts the blocks of all sources of a mixture together."""
+    """train.epochs counts the blocks of all sampled sources of a mixture together (weight 0: left out)."""
     t = cfg.train
     global_batch = world * t.batch_size * t.grad_accum
-    if len(train) < global_batch:
+    blocks = getattr(train, "sampled_blocks", len(train))  # a mixture's weight-0 sources are left out
+    if blocks < global_batch:
         raise ShardlmError(
-            f"the training data has {len(train)} blocks of {cfg.data.seq_len} tokens, fewer than one global "
+            f"the training data has {blocks} blocks of {cfg.data.seq_len} tokens, fewer than one global "
             f"batch of {global_batch} (= {world} devices x train.batch_size={t.batch_size} x "
             f"train.grad_accum={t.grad_accum}). Use more data or lower train.batch_size / data.seq_len.")
     if t.max_steps is not None:
         return t.max_steps
-    return int(t.epochs * len(train) // global_batch)
+    return int(t.epochs * blocks // global_batch)
 
 
 def build(cfg: Config) -> Run:

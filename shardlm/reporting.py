@@ -70,7 +70,8 @@ def run_header(run: Run) -> str:
     blocks, seq = global_batch(run), cfg.data.seq_len
     return (f"shardlm: {where}; {d.device.type}, {cfg.parallel.precision}"
             + (f", {', '.join(extras)}" if extras else "") + "\n"
-            f"model: {_params(run)}; data: {len(run.train):,} train / {len(run.val):,} val blocks of {seq} tokens\n"
+            f"model: {_params(run)}; data: {getattr(run.train, 'sampled_blocks', len(run.train)):,} train / "
+            f"{len(run.val):,} val blocks of {seq} tokens\n"
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}")
 
 

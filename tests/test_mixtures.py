@@ -49,7 +49,8 @@ def test_quotas_and_blocks():
     tokens = np.arange(100, dtype=np.uint16)
     a, b = TokenBlocks(tokens, 4, 0, 41), TokenBlocks(tokens, 4, 50)  # 10 and 12 blocks
     mix = MixtureBlocks([a, b])
-    assert len(mix) == 22 and mix.weights == [10.0, 12.0]
+    assert len(mix) == 22 and mix.weights == [10.0, 12.0] and mix.sampled_blocks == 22
+    assert MixtureBlocks([a, b], [1.0, 0.0]).sampled_blocks == 10  # weight 0 leaves b out of an epoch
     assert mix.get(np.array([11, 0])).tolist() == [[54, 55, 56, 57, 58], [0, 1, 2, 3, 4]]
     spread = MixtureBlocks.interleaved([a, b])  # any prefix holds both sources
     assert {int(r[0]) >= 50 for r in spread.get(np.arange(4))} == {True, False}

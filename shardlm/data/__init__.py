@@ -90,7 +90,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer, dist) -> tuple[MixtureBlocks, Bl
         if len(val) == 0:
             raise ShardlmError(_too_short("validation", val.end - val.start, cfg))
         return train, val
-    held_out = [t for t in tails if len(t)]
+    held_out = [t for t, w in zip(tails, train.weights, strict=True) if len(t) and w > 0]  # weight 0: left out
     if not held_out:
         raise ShardlmError(f"no source of data.train has, in its last {cfg.val_fraction:.0%}, one block of "
                            f"data.seq_len={cfg.seq_len} + 1 tokens to hold out for validation. Set data.val, a "

@@ -58,6 +58,11 @@ class MixtureBlocks:
     def __len__(self) -> int:
         return self.num_blocks
 
+    @property
+    def sampled_blocks(self) -> int:
+        """The blocks of the sources that are sampled at all (weight > 0): what an epoch counts."""
+        return sum(n for n, w in zip(self.sizes, self.weights, strict=True) if w > 0)
+
     def get(self, indices: np.ndarray) -> torch.Tensor:
         """(len(indices), seq_len + 1) int64 tensor, rows in the order of `indices`."""
         idx = np.asarray(indices, dtype=np.int64)
