@@ -79,13 +79,19 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "position": self.position, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
-                "callbacks": self.callbacks.state_dict()}
+                "callbacks": self.callbacks.state_dict(), "data_blocks": [len(self.run.train), len(self.run.val)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The data stream continues at the saved position even when the global batch changed."""
         self.step, self.position = state["step"], state["position"]
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
         self.callbacks.load_state_dict(state.get("callbacks", {}))
+        blocks = [len(self.run.train), len(self.run.val)]
+        if state.get("data_blocks", blocks) != blocks:
+            (tr, va), (tr2, va2) = state["data_blocks"], blocks
+            self.dist.print(f"note: the data changed since this checkpoint ({tr:,} train / {va:,} val blocks, now "
+                            f"{tr2:,} / {va2:,}): the block order and the validation set differ from the run's so "
+                            "far, and its losses are not comparable across this point")
         if state["global_batch"] != self.global_batch:
             self.dist.print(f"note: global batch changed {state['global_batch']} -> {self.global_batch} blocks; "
                             f"the data stream continues at block {self.position}")

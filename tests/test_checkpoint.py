@@ -195,3 +195,15 @@ def test_ctrl_c_under_nproc_saves_and_exits_zero_with_one_line(corpus, cache_dir
     assert "Traceback" not in out and "SignalException" not in out
     step = json.loads((newest_complete(tmp_path / "checkpoints") / "trainer_state.json").read_text())["step"]
     assert f"saved step {step} to" in out and "rerun the same command to resume" in out
+
+
+def test_resume_onto_changed_data_says_so(corpus, cache_dir, tmp_path, capsys):
+    from shardlm.config import load_config
+    from shardlm.trainer import Trainer
+
+    trainer = Trainer.from_config(load_config(None, tiny(corpus, cache_dir, tmp_path)))
+    state = trainer.state_dict()
+    trainer.load_state_dict(state)
+    assert "data changed" not in capsys.readouterr().out
+    trainer.load_state_dict({**state, "data_blocks": [state["data_blocks"][0] - 5, state["data_blocks"][1]]})
+    assert "note: the data changed since this checkpoint" in capsys.readouterr().out
