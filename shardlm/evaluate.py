@@ -26,6 +26,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
+from shardlm.data.mixture import MixtureBlocks
 from shardlm.genquality import FEW_FOR_MAUVE, MODULES, generation_quality, held_out_prompts, record_fields, require
 from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
@@ -80,7 +81,7 @@ def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int) -> tup
     return loss.item(), correct.item(), int((targets != IGNORE).sum())
 
 
-def evaluate_blocks(model, blocks: TokenBlocks, batch: int, max_batches: int, chunk: int) -> dict:
+def evaluate_blocks(model, blocks: TokenBlocks | MixtureBlocks, batch: int, max_batches: int, chunk: int) -> dict:
     device = next(model.parameters()).device
     n = len(blocks) if max_batches == 0 else min(len(blocks), max_batches * batch)
     total, progress = np.zeros(3), EvalProgress(n * blocks.seq_len, -(-n // batch))
@@ -151,11 +152,12 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
-        tokens = _validation_tokens(cfg, tokenizer, device, exported=saved is None)
+        tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
+        tokens = tails[0] if len(tails) == 1 else np.concatenate(tails)
     seq_len = min(cfg.data.seq_len, context)
     if gen.n:
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
-    result = _evaluate(model, tokens, cfg, context, stride or 0, device)
+    result = _evaluate(model, tails, cfg, context, stride or 0, device)
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']:,} tokens)", file=sys.stderr)
     if gen.n:
@@ -212,17 +214,19 @@ def log_generation(ckpt: Path | None, g: dict) -> None:
     print(f"appended to {run / 'metrics.jsonl'} (split gen, step {step})", file=sys.stderr)
 
 
-def _evaluate(model, tokens: np.ndarray, cfg, context: int, stride: int, device: torch.device) -> dict:
+def _evaluate(model, tails: list[np.ndarray], cfg, context: int, stride: int, device: torch.device) -> dict:
+    """Block mode scores the blocks training validated on: a mixture's held-out tails interleaved, as there."""
     vocab, t = model.config.vocab_size, cfg.train
     if stride:  # one window of `context` tokens at a time
         chunk = auto_loss_chunk(t.loss_chunk_size, 1, context, vocab, device)
-        return evaluate_stride(model, tokens, context, stride, chunk)
-    blocks = TokenBlocks(tokens, min(cfg.data.seq_len, context))
+        return evaluate_stride(model, np.concatenate(tails), context, stride, chunk)
+    parts = [TokenBlocks(tail, min(cfg.data.seq_len, context)) for tail in tails]
+    blocks = parts[0] if len(parts) == 1 else MixtureBlocks.interleaved([p for p in parts if len(p)])
     chunk = auto_loss_chunk(t.loss_chunk_size, t.batch_size, blocks.seq_len, vocab, device)
     return evaluate_blocks(model, blocks, t.batch_size, t.eval_batches, chunk)
 
 
-def _validation_tokens(cfg, tokenizer, device: torch.device, exported: bool) -> np.ndarray:
+def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> list[np.ndarray]:
     from shardlm.data import load_split
     from shardlm.dist import Dist, LaunchInfo
 
@@ -231,9 +235,10 @@ def _validation_tokens(cfg, tokenizer, device: torch.device, exported: bool) -> 
         raise ShardlmError("an exported model carries no data settings: pass data.val=PATH (or hf:...).")
     dist = Dist(LaunchInfo("single"), device)
     if cfg.data.val is not None:
-        return load_split(spec, cfg.data, tokenizer, dist, "validation")
-    # the held-out tail of the training data, as during training; of each source of a mixture, one after another
-    tails = [tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
-             for tokens in (load_split(s, cfg.data, tokenizer, dist, "validation")
-                            for s in (spec if isinstance(spec, list) else [spec]))]
-    return tails[0] if len(tails) == 1 else np.concatenate(tails)
+        return [load_split(spec, cfg.data, tokenizer, dist, "validation")]
+    # the held-out tail of the training data, as during training: of each sampled source of a mixture
+    specs = spec if isinstance(spec, list) else [spec]
+    weights = cfg.data.weights or [1.0] * len(specs)
+    return [tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
+            for tokens in (load_split(s, cfg.data, tokenizer, dist, "validation")
+                           for s, w in zip(specs, weights, strict=True) if w > 0)]

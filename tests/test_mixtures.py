@@ -75,3 +75,11 @@ def test_a_mixture_run_reports_tokens_per_source(tmp_path, cache_dir):
     for r in train:
         assert sum(r["tokens_by_source"]) == r["tokens"] == r["step"] * 4 * 32
     assert train[-1]["tokens_by_source"][0] > 2 * train[-1]["tokens_by_source"][1]  # weights 3:1
+    import torch
+
+    from shardlm.evaluate import _evaluate, _validation_tails  # `shardlm eval` scores the blocks training did
+
+    hf = trainer.run.model.hf.eval()
+    tails = _validation_tails(cfg, trainer.run.tokenizer, torch.device("cpu"), exported=False)
+    assert _evaluate(hf, tails, cfg, 64, 0, torch.device("cpu"))["loss"] == pytest.approx(summary["val"]["loss"],
+                                                                                            rel=1e-5)
