@@ -324,6 +324,8 @@ def test_hf_json_with_data_files(tmp_path):
     assert list(load_tokens(folder)) == expected_bytes()
     with pytest.raises(ShardlmError, match="'hf:json' reads local files .*set data.data_files"):
         resolve("hf:json")
+    with pytest.raises(ShardlmError, match=r"Bad split: validation.*Check data.data_files.*\{train: \.\.\., valid"):
+        list(iter_documents(resolve("hf:json", "validation", str(tmp_path / "a.jsonl"))))
     (tmp_path / "lines.txt").write_text("one\ntwo\n")  # hf:text rows are lines without their newline
     pieces = list(iter_documents(resolve("hf:text", "train", str(tmp_path / "lines.txt")), rows_are_documents=False))
     assert "".join(text for text, _ in pieces) == "one\ntwo\n"

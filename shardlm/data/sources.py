@@ -251,12 +251,16 @@ def _iter_hf(source: Source, field: str, rows_are_documents: bool) -> Iterator[t
     except ShardlmError:
         raise
     except KeyError:
-        raise ShardlmError(f"Hugging Face dataset '{repo}' has no '{field}' column; set data.text_field.") from None
+        columns = ", ".join(row) if "row" in locals() else "?"
+        raise ShardlmError(f"Hugging Face dataset '{repo}' has no '{field}' column (columns: {columns}); set "
+                           "data.text_field.") from None
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
+        fix = ("Check data.data_files: a path, glob or list (one split, 'train'), or {train: ..., validation: ...} "
+               "for several splits" if repo in PACKAGED else
+               "Without network access, download it elsewhere and point data.train/data.val at local files")
         raise ShardlmError(
             f"cannot load Hugging Face dataset '{repo}' ({config or 'default'}, split {split}): "
-            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. Without network access, download it "
-            "elsewhere and point data.train/data.val at local files."
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. {fix}."
         ) from None
     if not rows_are_documents:
         yield "", True
