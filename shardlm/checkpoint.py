@@ -237,6 +237,10 @@ class Checkpointer:
         self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
         self.lora = lora.enabled(run.cfg)
         self._base: dict | None = None  # the LoRA base's identity, computed once
+        # An async save's collectives run in DCP's background thread: on the training group they would interleave
+        # with the step's all-reduces (ranks hung for the timeout). Its own gloo group, made on every rank here.
+        self._save_group = torch.distributed.new_group(backend="gloo") \
+            if self.cfg.async_save and self.dist.distributed else None
         if self.dist.is_main:  # the folder itself is made by the first save
             for stale in self.root.glob("*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -308,7 +312,7 @@ class Checkpointer:
         try:
             self._write_host_parts(tmp)
             if self.cfg.async_save and self.dist.device.type != "xla":  # XLA: host copies are made already
-                future = dcp.async_save(self._sharded(), checkpoint_id=str(tmp))
+                future = dcp.async_save(self._sharded(), checkpoint_id=str(tmp), process_group=self._save_group)
                 self.pending = (future, tmp, final, step, began)
                 return final
             dcp.save(self._sharded(), checkpoint_id=str(tmp))

@@ -32,9 +32,10 @@ def ckpt_args(corpus, cache_dir, out, batch=4, **extra):
 
 @pytest.fixture(scope="module")
 def reference(corpus, cache_dir, tmp_path_factory):
-    """The uninterrupted 2-rank run."""
+    """The uninterrupted 2-rank run, saving asynchronously (its collectives once hung against the step's)."""
     out = tmp_path_factory.mktemp("reference")
-    shardlm_cli(ckpt_args(corpus, cache_dir, out), nproc=2)
+    shardlm_cli(ckpt_args(corpus, cache_dir, out, **{"checkpoint.async": True, "parallel.timeout_s": 60}), nproc=2)
+    assert [p.name for p in list_checkpoints(out)][:2] == ["step_000000012", "step_000000008"]
     return by_step(out)
 
 
