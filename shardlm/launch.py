@@ -30,7 +30,8 @@ def launch(nproc: int, max_restarts: int, train_args: list[str], debug: bool) ->
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     if not debug and not max_restarts:  # with restarts, torchrun's notes on each attempt are worth reading
         env.setdefault("LOGLEVEL", "CRITICAL")  # torchrun's agent logs: its failure report, SIGTERM notices
-    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env,
+                            preexec_fn=_term_with_parent if sys.platform.startswith("linux") else None)
     received: list[int] = []
 
     def forward(signum, _frame):
@@ -59,6 +60,15 @@ def launch(nproc: int, max_restarts: int, train_args: list[str], debug: bool) ->
     return code
 
 
+def _term_with_parent() -> None:
+    """torchrun runs in its own session (Ctrl-C reaches the ranks through `forward`, once); should this process
+    be killed outright (kill -9), the kernel sends torchrun SIGTERM, so the ranks save and stop instead of
+    training on, orphaned, into the same out_dir as the user's next run."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def child_pids(pid: int) -> list[int]:
     """Process ids whose parent is `pid` (Linux /proc; empty elsewhere, where signals go to the group)."""
     kids = []
@@ -71,6 +81,7 @@ def child_pids(pid: int) -> list[int]:
 
 def main(argv: list[str]) -> int:
     """torchrun's own `run`; a failed rank becomes one line and that rank's exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -80,6 +91,10 @@ def main(argv: list[str]) -> int:
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(argv))
+    except SignalException as e:  # torchrun itself signalled (its parent died, a scheduler): it stopped the ranks
+        print(f"error: torchrun got {signal.Signals(e.sigval).name} and stopped the ranks (on SIGTERM they save "
+              "first); rerun the same command to resume.", file=sys.stderr, flush=True)
+        return 1
     except ChildFailedError as e:
         killed = {r: f for r, f in e.failures.items() if f.exitcode < 0}  # the others died of broken collectives
         rank, failure = min(killed.items(), key=lambda kv: kv[1].timestamp) if killed else e.get_first_failure()
