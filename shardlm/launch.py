@@ -96,6 +96,8 @@ def main(argv: list[str]) -> int:
               "first); rerun the same command to resume.", file=sys.stderr, flush=True)
         return 1
     except ChildFailedError as e:
+        if any(f.exitcode == 2 for f in e.failures.values()):  # a shardlm error, printed by its rank; the other
+            return 2                                            # ranks were torn down after it, not the cause
         killed = {r: f for r, f in e.failures.items() if f.exitcode < 0}  # the others died of broken collectives
         rank, failure = min(killed.items(), key=lambda kv: kv[1].timestamp) if killed else e.get_first_failure()
         if failure.exitcode < 0:
