@@ -375,22 +375,16 @@ class Checkpointer:
 
     # ---- resume --------------------------------------------------------------------------------------
     def maybe_resume(self) -> Path | None:
-        spec = self.cfg.resume
-        if spec == "none":
+        path = self.dist.run_on_main(lambda: str(p) if (p := resume_target(self.cfg.resume, self.root,
+                                                                          self.dist.print)) else None)
+        if path is None:
             return None
-        if spec == "auto":
-            path = self.dist.run_on_main(lambda: str(p) if (p := newest_complete(self.root, self.dist.print)) else None)
-            if path is None:
-                return None
-        else:
-            path = self.dist.run_on_main(lambda: str(resolve_checkpoint(spec, self.dist.print)))
         self.load(Path(path))
         return Path(path)
 
     def load(self, path: Path) -> None:
-        manifest = json.loads((path / "manifest.json").read_text())
-        check_lora(manifest, self.run.cfg, path, self.base_identity(manifest.get("base")) if self.lora else None)
-        check_compatible(manifest, self.run.hf_config, path)
+        manifest = check_resumable(path, self.run.cfg, self.run.hf_config,
+                                   lambda known: self.base_identity(known) if self.lora else None)
         configured = hyperparameters(self.run.optimizer)
         sharded = self._sharded()
         dcp.load(sharded, checkpoint_id=str(path))
@@ -407,6 +401,22 @@ class Checkpointer:
                 part.load_state_dict(saved if name == "train_state" else saved[name])
         apply_hyperparameters(self.run.optimizer, self.run.scheduler, configured)
         self.dist.print(f"resumed from {path} (step {manifest['step']}, saved on {manifest['world_size']} rank(s))")
+
+
+def resume_target(spec: str, root: Path, log=print) -> Path | None:
+    """The checkpoint `checkpoint.resume` names: none, the newest complete one under `root` (auto), or a path."""
+    if spec == "none":
+        return None
+    return newest_complete(root, log) if spec == "auto" else resolve_checkpoint(spec, log)
+
+
+def check_resumable(path: Path, cfg, hf_config, base_of: Callable[[dict | None], dict | None]) -> dict:
+    """The checks before loading `path` into this config (the run's and `train --dry-run`'s); its manifest.
+    `base_of(recorded identity)`: the LoRA base's identity now (None for full fine-tuning)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    check_lora(manifest, cfg, path, base_of(manifest.get("base")))
+    check_compatible(manifest, hf_config, path)
+    return manifest
 
 
 HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas", "eps")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import re
 from pathlib import Path
 
@@ -70,19 +69,13 @@ def _model_lines(cfg: Config) -> list[str]:
 
 def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
     """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it."""
-    from shardlm.checkpoint import check_compatible, check_lora, newest_complete, resolve_checkpoint
+    from shardlm.checkpoint import check_resumable, resume_target
 
-    spec = cfg.checkpoint.resume
-    if spec == "none":
-        return []
-    path = newest_complete(Path(cfg.out_dir), log=lambda *_: None) if spec == "auto" else \
-        resolve_checkpoint(spec, log=lambda *_: None)
+    path = resume_target(cfg.checkpoint.resume, Path(cfg.out_dir), log=lambda *_: None)
     if path is None:
         return []
-    manifest = json.loads((path / "manifest.json").read_text())
-    base = lora.base_identity(cfg.model.name, manifest.get("base")) if lora.enabled(cfg) and cfg.model.name else None
-    check_lora(manifest, cfg, path, base)
-    check_compatible(manifest, hf_cfg, path)
+    manifest = check_resumable(path, cfg, hf_cfg, lambda known: lora.base_identity(cfg.model.name, known)
+                               if lora.enabled(cfg) and cfg.model.name else None)
     return [f"resume: {path} (step {manifest['step']})"]
 
 

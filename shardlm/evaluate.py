@@ -157,7 +157,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
     seq_len = min(cfg.data.seq_len, context)
     if gen.n:
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
-    result = _evaluate(model, tails, cfg, context, stride or 0, device)
+    result = _evaluate(model, tokens, tails, cfg, context, stride or 0, device)
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
           f"({result['tokens']:,} tokens)", file=sys.stderr)
     if gen.n:
@@ -214,12 +214,14 @@ def log_generation(ckpt: Path | None, g: dict) -> None:
     print(f"appended to {run / 'metrics.jsonl'} (split gen, step {step})", file=sys.stderr)
 
 
-def _evaluate(model, tails: list[np.ndarray], cfg, context: int, stride: int, device: torch.device) -> dict:
-    """Block mode scores the blocks training validated on: a mixture's held-out tails interleaved, as there."""
+def _evaluate(model, tokens: np.ndarray, tails: list[np.ndarray], cfg, context: int, stride: int,
+              device: torch.device) -> dict:
+    """`tokens`: the tails one after another (a stride reads them as one stream). Block mode scores the blocks
+    training validated on: a mixture's held-out tails interleaved, as there."""
     vocab, t = model.config.vocab_size, cfg.train
     if stride:  # one window of `context` tokens at a time
         chunk = auto_loss_chunk(t.loss_chunk_size, 1, context, vocab, device)
-        return evaluate_stride(model, np.concatenate(tails), context, stride, chunk)
+        return evaluate_stride(model, tokens, context, stride, chunk)
     parts = [TokenBlocks(tail, min(cfg.data.seq_len, context)) for tail in tails]
     blocks = parts[0] if len(parts) == 1 else MixtureBlocks.interleaved([p for p in parts if len(p)])
     chunk = auto_loss_chunk(t.loss_chunk_size, t.batch_size, blocks.seq_len, vocab, device)

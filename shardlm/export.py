@@ -28,8 +28,6 @@ def _sources(path: Path) -> list[Path]:
     """What an export of `path` reads: the path itself and, for a run, checkpoint or adapter, its base folder."""
     import json
 
-    import yaml
-
     from shardlm.checkpoint import resolve_checkpoint
 
     found = [path]
@@ -41,7 +39,7 @@ def _sources(path: Path) -> list[Path]:
             ckpt = resolve_checkpoint(path, log=lambda *_: None)
         except ShardlmError:
             return found  # the export itself reports it
-        base = (yaml.safe_load((ckpt / "config.yaml").read_text()).get("model") or {}).get("name")
+        base = _run_config(ckpt).model.name
     if base and Path(base).expanduser().is_dir():
         found.append(Path(base).expanduser())
     return found

@@ -81,5 +81,5 @@ def test_a_mixture_run_reports_tokens_per_source(tmp_path, cache_dir):
 
     hf = trainer.run.model.hf.eval()
     tails = _validation_tails(cfg, trainer.run.tokenizer, torch.device("cpu"), exported=False)
-    assert _evaluate(hf, tails, cfg, 64, 0, torch.device("cpu"))["loss"] == pytest.approx(summary["val"]["loss"],
-                                                                                            rel=1e-5)
+    result = _evaluate(hf, np.concatenate(tails), tails, cfg, 64, 0, torch.device("cpu"))
+    assert result["loss"] == pytest.approx(summary["val"]["loss"], rel=1e-5)

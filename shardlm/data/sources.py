@@ -244,16 +244,15 @@ def _iter_hf(source: Source, field: str, rows_are_documents: bool) -> Iterator[t
     repo, config, split = source.hf  # type: ignore[misc]
     try:
         for row in _load_hf(source, split):
+            if field not in row:
+                raise ShardlmError(f"Hugging Face dataset '{repo}' has no '{field}' column (columns: "
+                                   f"{', '.join(row)}); set data.text_field.")
             text = row[field] or ""  # a null cell is an empty document
             if not rows_are_documents and text and not text.endswith("\n"):
                 text += "\n"  # rows are lines (hf:text strips them): keep the break, as WikiText's rows do
             yield text, rows_are_documents
     except ShardlmError:
         raise
-    except KeyError:
-        columns = ", ".join(row) if "row" in locals() else "?"
-        raise ShardlmError(f"Hugging Face dataset '{repo}' has no '{field}' column (columns: {columns}); set "
-                           "data.text_field.") from None
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the message is what matters
         fix = ("Check data.data_files: a path, glob or list (one split, 'train'), or {train: ..., validation: ...} "
                "for several splits" if repo in PACKAGED else
