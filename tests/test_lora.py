@@ -47,6 +47,18 @@ def bases(tmp_path_factory):
     return folders, {name: folder_digest(f) for name, f in folders.items()}
 
 
+@pytest.fixture
+def bnb_portable_cpu_path(monkeypatch):
+    """bitsandbytes' CPU stand-in for the CUDA kernels, the same on every x86 CPU. On AVX-512-BF16 machines
+    Linear4bit repacks its weight for a bf16 inference kernel the first time it runs in eval mode without grad
+    (validation, the end-of-run sample): that kernel needs out_features % 32 == 0 and computes in bf16, so the
+    tiny bases here would fail there (and pass on AVX2). shardlm runs QLoRA on CUDA only, where the kernel is
+    not taken; the tests take the plain path everywhere."""
+    bnb = pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: False, raising=False)  # absent before 0.47
+    return bnb
+
+
 @pytest.fixture(autouse=True)
 def _keep_signal_handlers():
     """In-process runs install shardlm's SIGTERM/SIGINT handlers: give pytest its own back."""
@@ -267,13 +279,13 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
 
 
 def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, runs, corpus, cache_dir, tmp_path,
-                                                                       monkeypatch, capsys):
+                                                                       monkeypatch, capsys, bnb_portable_cpu_path):
     """QLoRA's path, run on bitsandbytes' CPU backend (a run is CUDA-only: that one check is lifted here): the
     base's linears hold 4-bit weights, only the adapters train, the first loss is the full-precision LoRA run's
     up to the quantization error (and not equal to it), the weights gathered for the end-of-training sample
     (dequantized, merged, GPT-2's Conv1D layout restored) give the QLoRA model's own loss, a stopped run
     resumes bit for bit, and the export is a plain model."""
-    bnb = pytest.importorskip("bitsandbytes")
+    bnb = bnb_portable_cpu_path
     from shardlm import lora
     from shardlm.config import load_config
     from shardlm.generate import gather_hf_model
