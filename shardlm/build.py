@@ -3,7 +3,6 @@ parallelize -> weights -> optimizer. `build()` returns them; the Trainer only ru
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from shardlm.data import Blocks, prepare_data
 from shardlm.dist import Dist
 from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
 from shardlm.parallel import Plan, ShardLocalAdamW, parallelize, plan
+from shardlm.schedule import WarmupCosine
 from shardlm.tokenizer import model_tokenizer
 
 if TYPE_CHECKING:
@@ -126,14 +126,8 @@ def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
     fused = next(model.parameters()).device.type in ("cpu", "cuda")  # XLA: foreach, traced into the step's graph
     optimizer = ShardLocalAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused, foreach=not fused)
 
-    def lr_factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        span = max(1, total_steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    schedule = WarmupCosine(t.warmup_steps, total_steps, t.min_lr_ratio)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def count_steps(cfg: Config, train: Blocks, world: int) -> int:

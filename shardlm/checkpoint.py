@@ -18,6 +18,7 @@ state, the schedule, the data position and the RNG; the manifest records the bas
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import random
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from shardlm import ShardlmError, __version__, lora, xla
 from shardlm.config import save_config
+from shardlm.schedule import WarmupCosine
 
 if TYPE_CHECKING:
     from shardlm.build import Run
@@ -386,6 +388,7 @@ class Checkpointer:
         manifest = check_resumable(path, self.run.cfg, self.run.hf_config,
                                    lambda known: self.base_identity(known) if self.lora else None)
         configured = hyperparameters(self.run.optimizer)
+        planned = {id(f): copy.copy(f) for f in self.run.scheduler.lr_lambdas}
         sharded = self._sharded()
         dcp.load(sharded, checkpoint_id=str(path))
         for name, state in sharded.items():
@@ -399,8 +402,12 @@ class Checkpointer:
                 part.load_state_dict(json.loads(files[self.dist.rank % len(files)].read_text()))
             elif name not in SHARDED:
                 part.load_state_dict(saved if name == "train_state" else saved[name])
-        apply_hyperparameters(self.run.optimizer, self.run.scheduler, configured)
         self.dist.print(f"resumed from {path} (step {manifest['step']}, saved on {manifest['world_size']} rank(s))")
+        for schedule in {id(f): f for f in self.run.scheduler.lr_lambdas}.values():
+            if isinstance(schedule, WarmupCosine) and (moved := schedule.configure(planned[id(schedule)],
+                                                                                   manifest["step"])):
+                self.dist.print(f"note: {moved}")
+        apply_hyperparameters(self.run.optimizer, self.run.scheduler, configured)
 
 
 def resume_target(spec: str, root: Path, log=print) -> Path | None:

@@ -208,3 +208,26 @@ def test_resume_onto_changed_data_says_so(corpus, cache_dir, tmp_path, capsys):
     assert "data changed" not in capsys.readouterr().out
     trainer.load_state_dict({**state, "data_blocks": [state["data_blocks"][0] - 5, state["data_blocks"][1]]})
     assert "note: the data changed since this checkpoint" in capsys.readouterr().out
+
+
+def test_raising_max_steps_on_resume_keeps_the_learning_rate_continuous(corpus, cache_dir, tmp_path):
+    """Extending a run (train.max_steps 10 -> 20 after a stop at step 5) continues the decay from the rate it had
+    reached instead of stretching the cosine (the rate jumped back up); a later resume keeps the same curve."""
+    from shardlm.schedule import WarmupCosine
+
+    def args(steps, *extra):
+        return ["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": steps, "train.min_lr_ratio": 0.1}),
+                *extra]
+
+    shardlm_cli(args(10, fault("SigtermAt(5)")))
+    extended = shardlm_cli(args(20, fault("SigtermAt(12)"))).stdout
+    assert "the run's end moved from step 10 to 20: the learning rate continues from its value at step 5" in extended
+    shardlm_cli(args(20))
+    lr = {r["step"]: r["lr"] for r in records(tmp_path)}
+    schedule = WarmupCosine(2, 10, 0.1)
+    expected = {s: 3e-3 * schedule(s - 1) for s in range(1, 6)}
+    schedule.configure(WarmupCosine(2, 20, 0.1), 5)
+    expected.update({s: 3e-3 * schedule(s - 1) for s in range(6, 21)})
+    assert lr == pytest.approx(expected, rel=1e-6)
+    assert all(lr[s + 1] <= lr[s] for s in range(2, 20)) and lr[20] < lr[6] < lr[5]
+    assert lr[6] < 3e-3 * WarmupCosine(2, 20, 0.1)(5)  # below the stretched cosine, which rose again

@@ -1,0 +1,43 @@
+"""The learning-rate schedule: linear warmup, then cosine decay to `min_ratio` of the peak at the run's end.
+
+A run can be extended (or shortened) on resume by changing train.max_steps or train.epochs. Stretching the
+cosine over the new length would make the learning rate jump back up (100 -> 150 steps: 0.000301 at step 100,
+0.000558 at step 125). Instead the schedule continues from the factor it had reached and decays from there to
+`min_ratio` over the new remainder. The decay's start lives in the schedule's attributes, which LambdaLR saves
+with its own state (it keeps a callable object's `__dict__`), so a later resume keeps the same curve.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class WarmupCosine:
+    """`factor(step)` multiplies the peak learning rate; LambdaLR calls it with the optimizer step."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+        self.decay_from: int | None = None  # set by `retarget`: the step a moved end's decay starts at
+        self.decay_top = 1.0  # the factor at `decay_from`
+
+    def __call__(self, step: int) -> float:
+        if self.decay_from is None and step < self.warmup:
+            return (step + 1) / self.warmup
+        begin = self.warmup if self.decay_from is None else self.decay_from
+        progress = min(1.0, max(0.0, (step - begin) / max(1, self.total - begin)))
+        return self.min_ratio + (self.decay_top - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def configure(self, planned: WarmupCosine, step: int) -> str | None:
+        """After a resume restored the saved schedule: take this run's warmup and floor, and if the end moved,
+        decay from `step`'s factor to the new end. Returns what changed, for the console (None: nothing)."""
+        self.warmup, self.min_ratio = planned.warmup, planned.min_ratio
+        if planned.total == self.total or step >= planned.total:
+            return None
+        old = self.total
+        if self.decay_from is not None or step >= self.warmup:  # in warmup nothing has decayed yet
+            self.decay_top, self.decay_from = self(step), step
+        self.total = planned.total
+        then = (f"stays at train.min_lr_ratio={self.min_ratio:g} x train.lr" if self(step) == self.min_ratio else
+                f"decays to train.min_lr_ratio={self.min_ratio:g} x train.lr at step {planned.total}")
+        return (f"the run's end moved from step {old} to {planned.total}: the learning rate continues from its "
+                f"value at step {step} ({self(step):.3g} x train.lr) and {then}, without a jump")
