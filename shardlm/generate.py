@@ -1,5 +1,11 @@
 """Text generation with a KV cache (transformers' `generate`) from a plain, unsharded HF model: batched
-prompts (left padding), a sliding window past the model's context, streaming to a terminal."""
+prompts (left padding), a sliding window past the model's context, streaming to a terminal.
+
+Text shown to people (`shardlm generate`, the sample at the end of training) is `readable`: each EOS, the
+boundary between documents, is the line DOCUMENT_END, other special tokens are left out, and a character cut
+off at the end by max_new_tokens is dropped rather than shown as U+FFFD. `--json` keeps the exact decoding
+(EOS as the tokenizer writes it, `<|endoftext|>`): scripts get what the tokens are.
+"""
 
 from __future__ import annotations
 
@@ -118,6 +124,32 @@ def decode_sample(tokenizer, prompt_ids: list[int], new_ids: list[int]) -> tuple
     return text, text[len(head):] if text.startswith(head) else tokenizer.decode(new_ids, skip_special_tokens=False)
 
 
+DOCUMENT_END = "\n--- end of document ---\n"  # an EOS in readable text
+
+
+def readable(tokenizer, ids: list[int]) -> str:
+    """`ids` decoded for people (see the module docstring): the raw `<|endoftext|>` reads as markup, and a
+    U+FFFD at the end is only an incomplete character that the next token would have completed."""
+    eos = tokenizer.eos_token_id
+    cuts = [i for i, t in enumerate(ids) if t == eos]
+    parts = [ids[a + 1:b] for a, b in zip([-1, *cuts], [*cuts, len(ids)], strict=True)]
+    text = DOCUMENT_END.join(tokenizer.decode(part, skip_special_tokens=True) for part in parts[:-1])
+    last = _complete(tokenizer, parts[-1])
+    text += (DOCUMENT_END if cuts else "") + tokenizer.decode(last, skip_special_tokens=True)
+    return text.removesuffix("\n") if text.endswith(DOCUMENT_END) else text
+
+
+def _complete(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` without the tokens of an incomplete UTF-8 character at the end (at most 3 bytes, so at most 3
+    tokens); a U+FFFD that dropping them does not remove is a real one and stays."""
+    if not tokenizer.decode(ids, skip_special_tokens=True).endswith("\ufffd"):
+        return ids
+    for k in range(1, min(3, len(ids)) + 1):
+        if not tokenizer.decode(ids[:-k], skip_special_tokens=True).endswith("\ufffd"):
+            return ids[:-k]
+    return ids
+
+
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id]
 
@@ -128,9 +160,9 @@ def pad_id(tokenizer) -> int:
 
 
 def text_printer(tokenizer, ids: list[int], eos: int, file: TextIO):
-    """A `generate` streamer for one row: prints the prompt at once, then the text as tokens come (held back
-    while it ends in an incomplete character), across the rounds of a sliding window; `close()` ends the
-    line. What it prints is what `generate_text` returns, followed by a newline."""
+    """A `generate` streamer for one row: prints the prompt at once, then the `readable` text as tokens come
+    (an incomplete character at the end waits for its next byte), across the rounds of a sliding window;
+    `close()` ends the line. What it prints is what `generate_text` returns, followed by a newline."""
     from transformers.generation.streamers import BaseStreamer
 
     class TextPrinter(BaseStreamer):
@@ -153,14 +185,12 @@ def text_printer(tokenizer, ids: list[int], eos: int, file: TextIO):
             self.prompt_next = True
 
         def close(self) -> None:
-            self._show(final=True)
+            self._show()
             file.write("\n")
             file.flush()
 
-        def _show(self, final: bool = False) -> None:
-            text = tokenizer.decode(ids + self.new, skip_special_tokens=False)
-            if not final and text.endswith("\ufffd"):
-                return
+        def _show(self) -> None:
+            text = readable(tokenizer, ids + self.new)
             if text.startswith(self.shown) and len(text) > len(self.shown):
                 file.write(text[len(self.shown):])
                 file.flush()
@@ -173,9 +203,10 @@ def text_printer(tokenizer, ids: list[int], eos: int, file: TextIO):
 class Sample:
     prompt: str
     sample: int
-    text: str  # the prompt and its continuation
-    continuation: str
+    text: str  # the prompt and its continuation, exactly as decoded
+    continuation: str  # exactly as decoded
     new_tokens: int  # EOS included, where the sample ended with one
+    shown: str = ""  # `text` for people: `readable`
 
 
 def iter_samples(hf_model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int = 100,
@@ -198,14 +229,14 @@ def iter_samples(hf_model: nn.Module, tokenizer, prompts: list[str], max_new_tok
         for prompt, p_ids, samples in zip(batch, ids, results, strict=True):
             for k, new in enumerate(samples):
                 text, continuation = decode_sample(tokenizer, p_ids, new)
-                yield Sample(prompt, k, text, continuation, len(new))
+                yield Sample(prompt, k, text, continuation, len(new), readable(tokenizer, p_ids + new))
 
 
 def generate_text(hf_model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                   num_samples: int = 1) -> list[str]:
-    """Samples, prompt included (see `generate_batch`)."""
-    return [s.text for s in iter_samples(hf_model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p,
+    """Samples, prompt included, `readable` (see `generate_batch`)."""
+    return [s.shown for s in iter_samples(hf_model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p,
                                          seed, num_samples)]
 
 
@@ -256,8 +287,8 @@ def generate_command(path: str, prompt: str | None = None, prompt_file: str | No
                      max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0,
                      seed: int = 0, num_samples: int = 1, batch_size: int = 8, as_json: bool = False,
                      out: TextIO | None = None) -> int:
-    """`shardlm generate`: each sample's text (prompt included) on stdout, a single prompt's single sample
-    streamed as it is generated; or with `as_json` one line per sample:
+    """`shardlm generate`: each sample's `readable` text (prompt included) on stdout, a single prompt's single
+    sample streamed as it is generated; or with `as_json` one line per sample, the text exact:
     {"prompt", "sample", "text" (the continuation), "new_tokens"}. Options are checked before loading."""
     out = sys.stdout if out is None else out
     if prompt is not None and prompt_file is not None:
@@ -271,5 +302,5 @@ def generate_command(path: str, prompt: str | None = None, prompt_file: str | No
             record = {"prompt": s.prompt, "sample": s.sample, "text": s.continuation, "new_tokens": s.new_tokens}
             print(json.dumps(record, ensure_ascii=False), file=out, flush=True)
         elif not (len(prompts) == 1 and num_samples == 1):  # a single sample was streamed
-            print(s.text, file=out, flush=True)
+            print(s.shown, file=out, flush=True)
     return 0

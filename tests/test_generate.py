@@ -10,7 +10,14 @@ import torch
 from helpers import byte_gpt2_config
 from shardlm import ShardlmError
 from shardlm.cli import cmd_env, cmd_generate, parse_args
-from shardlm.generate import generate_batch, generate_tokens, iter_samples, text_printer
+from shardlm.generate import (
+    DOCUMENT_END,
+    generate_batch,
+    generate_tokens,
+    iter_samples,
+    readable,
+    text_printer,
+)
 from shardlm.tokenizer import byte_tokenizer
 
 NEVER = -1  # an EOS id no model emits
@@ -117,6 +124,30 @@ def test_streaming_prints_as_tokens_come():
     printer.put(torch.tensor([0xA9]))
     printer.close()
     assert term.getvalue() == "aé\n"
+
+
+def test_people_see_document_ends_not_eos_and_no_cut_character(tmp_path, capsys):
+    """`<|endoftext|>` reads as markup and a U+FFFD at the end is half a character: shown text has neither;
+    --json keeps the exact decoding for scripts."""
+    tokenizer = byte_tokenizer()
+    cut = [*b"ab", 256, *"cé".encode(), 0xE2, 0x82]  # ends in 2 of the 3 bytes of "€"
+    assert readable(tokenizer, cut) == "ab" + DOCUMENT_END + "cé"
+    assert readable(tokenizer, [*b"ab", 256]) == "ab\n--- end of document ---"
+    assert readable(tokenizer, [*b"a", 0xFF, *b"b"]) == "a\ufffdb"  # a bad byte inside is not a cut character
+    model = tiny_model(16)
+    with torch.no_grad():  # a model that ends every document at once: greedy EOS
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.transformer.wte.weight[256] = 5.0
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    greedy = [str(tmp_path / "hf"), "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "5"]
+    assert cmd_generate(parse_args(["generate", *greedy])) == 0
+    assert capsys.readouterr().out == "ROMEO:\n--- end of document ---\n"
+    assert cmd_generate(parse_args(["generate", *greedy, "--json"])) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == "<|endoftext|>"
+    assert cmd_generate(parse_args(["generate", *greedy, "--num-samples", "2"])) == 0  # printed, not streamed
+    assert capsys.readouterr().out == "ROMEO:\n--- end of document ---\n" * 2
 
 
 @pytest.mark.parametrize("content,message", [(None, "prompt file '.*missing.txt' does not exist"),
