@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -173,7 +175,29 @@ def draw(panel: Panel, runs: list[RunData]) -> Figure | None:
     return fig
 
 
-def plot_runs(runs: list[str], out: str | None = None) -> list[Path]:
+def _trained_on(runs: list[RunData]) -> str:
+    devices = sorted({(r.device or "an unrecorded device").replace("cpu", "CPU").replace("cuda", "CUDA")
+                      for r in runs})
+    return f"{'this run' if len(runs) == 1 else 'these runs'} trained on {' and '.join(devices)}"
+
+
+def why_missing(panel: Panel, runs: list[RunData]) -> str:
+    """Why no run has the panel's metrics: a figure the README lists is never left out without a word."""
+    why = {"mfu.png": "MFU needs the device's peak FLOP/s, which shardlm knows for the GPUs of its table and for "
+                      f"TPUs, not for CPUs ({_trained_on(runs)})",
+           "gpu_utilization.png": "GPU utilization is read from NVML on CUDA GPUs, with pip install shardlm[gpu] "
+                                  f"({_trained_on(runs)})",
+           "generation.png": "no generation-quality records: train.gen_every=N or shardlm eval RUN --generation N "
+                             "writes them",
+           "val_perplexity.png": "no validation records yet (train.eval_every, and one at the end)",
+           "val_accuracy.png": "no validation records yet (train.eval_every, and one at the end)"}
+    metrics = ", ".join(f"{split} {metric}" for split, metric in panel.series)
+    return f"no {panel.file}: " + why.get(panel.file, f"no run has {metrics} records")
+
+
+def plot_runs(runs: list[str], out: str | None = None,
+              log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> list[Path]:
+    """The PNGs written; `log` says which of PANELS could not be drawn and why (stderr: stdout lists the files)."""
     data = load_runs(runs)
     empty = [d.name for d in data if not d.records]
     if empty:
@@ -186,4 +210,6 @@ def plot_runs(runs: list[str], out: str | None = None) -> list[Path]:
         if (fig := draw(panel, data)) is not None:
             fig.savefig(out_dir / panel.file)
             written.append(out_dir / panel.file)
+        else:
+            log(why_missing(panel, data))
     return written

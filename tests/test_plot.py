@@ -61,6 +61,18 @@ def test_memory_in_gib_says_what_each_run_measures(tmp_path):
         "other: peak memory (process RSS on CPU, allocated on GPU)": [1.0]}
 
 
+def test_plot_says_which_figures_a_cpu_run_cannot_have(tmp_path, capsys):
+    run = write_run(tmp_path / "cpu", [train(1, device="cpu", mfu=None, grad_norm=0.5), val(1, 7.0)])
+    assert "mfu.png" not in {p.name for p in plot_runs([run])}
+    assert capsys.readouterr().err.splitlines() == [
+        "no mfu.png: MFU needs the device's peak FLOP/s, which shardlm knows for the GPUs of its table and for TPUs, "
+        "not for CPUs (this run trained on CPU)",
+        "no gpu_utilization.png: GPU utilization is read from NVML on CUDA GPUs, with pip install shardlm[gpu] "
+        "(this run trained on CPU)",
+        "no generation.png: no generation-quality records: train.gen_every=N or shardlm eval RUN --generation N "
+        "writes them"]
+
+
 def test_plot_writes_pngs_and_overlays_runs(tmp_path):
     for name, scale in (("a", 1.0), ("b", 0.9)):
         run = tmp_path / name
