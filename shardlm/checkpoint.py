@@ -99,7 +99,9 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
     """A checkpoint folder, or a run dir's newest complete one."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ShardlmError(f"checkpoint path '{path}' does not exist.")
+        raise ShardlmError(f"checkpoint path '{path}' does not exist. Give a run dir (its newest checkpoint is used) "
+                           "or a checkpoint folder RUN/checkpoints/step_N; to train, checkpoint.resume=auto resumes "
+                           "out_dir's own and checkpoint.resume=none starts fresh.")
     if (path / "manifest.json").is_file() or path.name.startswith("step_"):
         problem = is_complete(path)
         if problem:
@@ -107,7 +109,10 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
         return path
     found = newest_complete(path, log)
     if found is None:
-        raise ShardlmError(f"no complete checkpoint in '{path}'.")
+        what = "every checkpoint in it is incomplete" if list_checkpoints(path) else "it has none"
+        raise ShardlmError(f"no complete checkpoint in '{path}' ({what}): give a run dir that has saved one (a run "
+                           "saves at its end and every checkpoint.every steps) or a checkpoint folder "
+                           "RUN/checkpoints/step_N; to train from the start, use checkpoint.resume=none.")
     return found
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -18,10 +19,35 @@ def _split_config(rest: list[str]) -> tuple[list[str], list[str]]:
     return [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
 
 
+def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> tuple[list[str], list[str]]:
+    """`shardlm train RUN_DIR` / `shardlm resume RUN_DIR`: a run folder (or one of its checkpoints) given where a
+    config goes continues that run from its saved config.yaml, with nothing to repeat; later configs and
+    overrides apply on top (and are reported as changes). `must_resume`: no complete checkpoint is an error."""
+    runs = [Path(c) for c in config if Path(c).is_dir() and (Path(c) / "config.yaml").is_file()]
+    if not runs:
+        if must_resume:
+            raise ShardlmError(f"'{config[0] if config else ''}' is not a run folder (no config.yaml in it): give the "
+                               "out_dir of a run (shardlm resume runs/NAME), or start one with shardlm train.")
+        return config, overrides
+    if len(runs) > 1:
+        raise ShardlmError(f"two runs given ({runs[0]}, {runs[1]}): continue one run at a time.")
+    path = runs[0]
+    is_checkpoint = (path / "manifest.json").is_file() and path.parent.name == "checkpoints"
+    if must_resume and not is_checkpoint:
+        from shardlm.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(path, log=lambda _: None)  # none complete: say so before anything starts
+    # a run dir resumes its newest checkpoint (auto), whatever the saved config named
+    where = [f"out_dir={path.parent.parent}", f"checkpoint.resume={path}"] if is_checkpoint else \
+        [f"out_dir={path}", "checkpoint.resume=auto"]
+    return [str(path / "config.yaml") if c == str(path) else c for c in config], [*where, *overrides]
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
 
-    config, overrides = _split_config(args.rest)
+    rest = [args.run, *args.rest] if args.command == "resume" else args.rest
+    config, overrides = continue_run(*_split_config(rest), must_resume=args.command == "resume")
     cfg = load_config(config, overrides)  # checked before any process is started
     if args.dry_run:
         from shardlm.dist import detect_launch
@@ -36,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from shardlm.launch import launch
 
         forwarded = [f"--callback={spec}" for spec in args.callback]  # each rank loads its own
-        return launch(args.nproc, args.max_restarts, [*forwarded, *args.rest], args.debug)
+        return launch(args.nproc, args.max_restarts, [*forwarded, *config, *overrides], args.debug)
     from shardlm.train import train
 
     train(cfg, callbacks=callbacks)
@@ -159,15 +185,28 @@ def parser() -> argparse.ArgumentParser:
                         help="config files or bundled config names (later win; shardlm configs lists them) and "
                              f"dotted overrides such as train.lr=1e-3; {REFERENCE}")
 
+    def train_options(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--nproc", type=int, default=0, help="launch N processes on this node with torchrun")
+        sp.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts on failure")
+        sp.add_argument("--dry-run", action="store_true",
+                        help="check the config, data, model and parallel plan, then exit without training")
+        sp.add_argument("--callback", action="append", default=[], metavar="MODULE:NAME",
+                        help="run a callback of your own (shardlm.callbacks: early stopping, custom logging); "
+                             "MODULE:NAME or file.py:NAME, with literal arguments as NAME(3, x='a'); repeatable")
+
     t = add("train", cmd_train, "train or fine-tune: shardlm train [CONFIG ...] [key=value ...]", TRAIN_EXAMPLES)
-    t.add_argument("--nproc", type=int, default=0, help="launch N processes on this node with torchrun")
-    t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: torchrun restarts on failure")
-    t.add_argument("--dry-run", action="store_true",
-                   help="check the config, data, model and parallel plan, then exit without training")
-    t.add_argument("--callback", action="append", default=[], metavar="MODULE:NAME",
-                   help="run a callback of your own (shardlm.callbacks: early stopping, custom logging); "
-                        "MODULE:NAME or file.py:NAME, with literal arguments as NAME(3, x='a'); repeatable")
+    train_options(t)
     config_args(t)
+
+    r = add("resume", cmd_train, "continue a run from its saved config: shardlm resume RUN_DIR [key=value ...]",
+            "examples:\n  shardlm resume runs/short                          from its newest checkpoint\n"
+            "  shardlm resume runs/short train.max_steps=400    train further (the learning rate goes on "
+            "without a jump)\n  shardlm resume runs/short/checkpoints/step_000000100   from that checkpoint\n"
+            "the run's own config.yaml is the config; overrides given apply on top and are reported. "
+            "`shardlm train RUN_DIR` does the same, but starts the run if it has no checkpoint yet.\n")
+    r.add_argument("run", metavar="RUN_DIR", help="a run's out_dir, or one of its checkpoints/step_N folders")
+    train_options(r)
+    config_args(r)
 
     e = add("eval", cmd_eval, "evaluate a checkpoint, run dir or HF folder: shardlm eval PATH [data.val=...]",
             "examples:\n  shardlm eval runs/demo\n  shardlm eval runs/demo-hf data.val=valid.txt --stride 512\n"
@@ -264,11 +303,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [a for a in extra if a.startswith("-")]
     target = "rest" if hasattr(args, "rest") else "overrides" if hasattr(args, "overrides") else None
     if unknown or (extra and target is None):
-        p.error(f"unrecognized arguments for 'shardlm {args.command}': {' '.join(unknown or extra)} "
-                f"(see shardlm {args.command} --help)")
+        p.error(f"unrecognized arguments for 'shardlm {args.command}': {' '.join(unknown or extra)}"
+                f"{_nearest_option(p, args.command, unknown)} (see shardlm {args.command} --help)")
     if target:
         setattr(args, target, [*getattr(args, target), *extra])
     return args
+
+
+def _nearest_option(p: argparse.ArgumentParser, command: str, unknown: list[str]) -> str:
+    """`--nprocs` -> ` Did you mean --nproc?`: the closest option of that command to the first unknown one."""
+    commands = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+    options = [o for a in commands[command]._actions for o in a.option_strings if o.startswith("--")]
+    match = difflib.get_close_matches(unknown[0].split("=")[0], options, n=1, cutoff=0.6) if unknown else []
+    return f". Did you mean {match[0]}?" if match else ""
 
 
 def main(argv: list[str] | None = None) -> None:

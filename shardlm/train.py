@@ -89,6 +89,7 @@ def record_config(cfg: Config, out_dir: Path, log=print) -> None:
                      if p.stem.split(".")[1].isdigit()), default=0)
         path.rename(out_dir / f"config.{n}.yaml")
         log("config changed since the last invocation (previous kept as "
-            f"config.{n}.yaml): " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+            f"config.{n}.yaml): " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            + f". (`shardlm resume {out_dir}` continues with the saved config, repeating nothing.)")
     save_config(cfg, path)
 

@@ -231,3 +231,19 @@ def test_raising_max_steps_on_resume_keeps_the_learning_rate_continuous(corpus, 
     assert lr == pytest.approx(expected, rel=1e-6)
     assert all(lr[s + 1] <= lr[s] for s in range(2, 20)) and lr[20] < lr[6] < lr[5]
     assert lr[6] < 3e-3 * WarmupCosine(2, 20, 0.1)(5)  # below the stretched cosine, which rose again
+
+
+def test_resume_continues_a_run_from_its_saved_config(corpus, cache_dir, tmp_path):
+    """`shardlm resume RUN_DIR` (and `shardlm train RUN_DIR`) needs none of the run's overrides repeated (here a
+    model shape that differs from the defaults): only what is given on top is a change."""
+    run, empty = tmp_path / "run", tmp_path / "empty"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, run, **{"train.max_steps": 4})])
+    out = shardlm_cli(["resume", str(run), "train.max_steps=6"]).stdout
+    assert "resumed from" in out and "step 4" in out
+    assert "config changed since the last invocation (previous kept as config.1.yaml): train.max_steps 4 -> 6." in out
+    out = shardlm_cli(["train", str(run / "checkpoints" / "step_000000004"), "train.max_steps=6"]).stdout
+    assert "resumed from" in out and "step_000000004" in out and sorted(by_step(run)) == list(range(1, 7))
+    shutil.copytree(run, empty, ignore=shutil.ignore_patterns("checkpoints"))
+    proc = shardlm_cli(["resume", str(empty)], check=False)
+    assert proc.returncode == 2 and f"error: no complete checkpoint in '{empty}' (it has none)" in proc.stderr
+    assert "checkpoint.resume=none" in proc.stderr
