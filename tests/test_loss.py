@@ -60,7 +60,10 @@ def test_no_grad_chunks_equal_plain_loss(dtype, chunk):
         (loss, correct), (want, want_correct) = (linear_cross_entropy(hidden, weight, targets, c, bias)
                                                  for c in (chunk, 0))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert loss.item() == pytest.approx(want.item(), rel=tol) and correct == want_correct
+    # bf16 logits tie often; a chunk's matmul may take another kernel (AVX2, AVX-512-BF16, AMX) and break a tie
+    # the other way, so bf16 accuracy may differ by a near-tie or two; fp32 must match exactly
+    ties = 0 if dtype == torch.float32 else 2
+    assert loss.item() == pytest.approx(want.item(), rel=tol) and abs(int(correct) - int(want_correct)) <= ties
 
 
 def test_bias_gradient_skips_ignored_targets():
