@@ -89,11 +89,11 @@ class TrainConfig:
     batch_size: int = 32  # per-device micro-batch, in blocks of seq_len tokens
     grad_accum: int = 1  # micro-batches per optimizer step (no gradient sync until the last)
     max_steps: int | None = None  # wins over epochs when set; 0 = evaluate only
-    epochs: float = 2.0  # passes over data.train when max_steps is null; 0 = evaluate only
-    lr: float = 3e-3  # peak learning rate (AdamW)
+    epochs: float = 2.0  # passes over data.train when max_steps is null; 0 = evaluate only; 3 when fine-tuning
+    lr: float = 3e-3  # peak learning rate (AdamW); fine-tuning (model.name set): 5e-5, with LoRA (lora.r > 0) 2e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20  # linear warmup, then cosine decay
-    weight_decay: float = 0.1  # AdamW decay on matrices; biases, norms get none
+    warmup_steps: int = 20  # linear warmup, then cosine decay; 0 when fine-tuning
+    weight_decay: float = 0.1  # AdamW decay on matrices; biases, norms get none; 0.0 when fine-tuning
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     grad_clip: float = 1.0  # 0 = off
@@ -183,6 +183,9 @@ def nearest(word: str, choices: list[str] | tuple[str, ...]) -> str:
         best = [c for c in same if c.rpartition(".")[0] == prefix] or same
         if best:
             return f" Did you mean '{best[0]}'?"
+    same_tail = [c for c in choices if c.rsplit(".", 1)[-1] == tail]  # `lr` -> train.lr, not the closer lora.r
+    if same_tail:
+        return f" Did you mean {' or '.join(repr(c) for c in same_tail)}?"
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.4)
     if not match:  # try the last component alone: "batchsize" -> "train.batch_size"
         tails = {c.rsplit(".", 1)[-1]: c for c in choices}
@@ -325,14 +328,50 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults <- YAML file(s), later ones winning <- overrides, type-checked; then cross-field validation."""
+    """Defaults <- YAML file(s), later ones winning <- overrides, type-checked; then cross-field validation.
+    A pretrained model gets fine-tuning defaults for the keys no file or override gave (`task_defaults`)."""
     values: dict[str, Any] = {}
     for one in [] if path is None else path if isinstance(path, list) else [path]:
         values.update(_read_yaml(config_path(one)))
     cli = parse_overrides(overrides or [])
     _check_keys(dict(cli), "the command line")
     values.update(cli)
-    return build_config(values)
+    cfg = build_config(values)
+    for key, value in task_defaults(cfg).items():
+        if key not in values:
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def _value(cfg: Config, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+# The from-scratch defaults (lr 3e-3, warmup 20, decay 0.1) erase much of what a pretrained model knows in its
+# first steps. Fine-tuning takes HF Trainer's defaults (lr 5e-5, 3 epochs, no warmup, no weight decay) and, for
+# LoRA, the 2e-4 of PEFT's examples and of configs/llama_lora.yaml: adapters start at zero and need a larger step.
+FINETUNE_DEFAULTS: dict[str, float] = {"train.lr": 5e-5, "train.epochs": 3.0, "train.warmup_steps": 0,
+                                       "train.weight_decay": 0.0}
+LORA_LR = 2e-4
+
+
+def task_defaults(cfg: Config) -> dict[str, float]:
+    """The defaults of the run's task that differ from the dataclass's: none from scratch (model.name null)."""
+    if cfg.model.name is None:
+        return {}
+    return {**FINETUNE_DEFAULTS, "train.lr": LORA_LR if cfg.lora.r > 0 else FINETUNE_DEFAULTS["train.lr"]}
+
+
+def task_defaults_note(cfg: Config) -> str | None:
+    """One line for the run header naming the fine-tuning defaults in effect, so a user who expected the
+    from-scratch ones (or the README's table) sees why; None from scratch or when every one was overridden."""
+    used = [f"{key}={value:g}" for key, value in task_defaults(cfg).items() if _value(cfg, key) == value]
+    if not used:
+        return None
+    what = "a pretrained model with LoRA" if cfg.lora.r > 0 else "a pretrained model"
+    return f"fine-tuning defaults (model.name is {what}): {', '.join(used)}; set any to override"
 
 
 def build_config(flat: dict[str, Any]) -> Config:

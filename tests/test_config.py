@@ -166,3 +166,42 @@ def test_lora_target_modules_all_linear_is_the_default_and_a_bare_name_is_refuse
     assert load_config(None, ["lora.target_modules=all-linear"]).lora.target_modules is None  # PEFT's keyword
     with pytest.raises(ShardlmError, match=r"lora.target_modules='q_proj': give a list .*\[q_proj,v_proj\]"):
         load_config(None, ["lora.target_modules=q_proj"])
+
+
+def test_a_pretrained_model_gets_fine_tuning_defaults_unless_given(tmp_path):
+    """From scratch: lr 3e-3, 2 epochs, warmup 20, decay 0.1; model.name set: HF Trainer's defaults (LoRA: 2e-4);
+    a value given in any file or override wins, and the run header's note lists only the defaults in effect."""
+    from shardlm.config import task_defaults_note
+
+    def train(cfg):
+        return cfg.train.lr, cfg.train.epochs, cfg.train.warmup_steps, cfg.train.weight_decay
+
+    scratch = load_config(None, [])
+    assert train(scratch) == (3e-3, 2.0, 20, 0.1) and task_defaults_note(scratch) is None
+    full = load_config(None, ["model.name=./mymodel"])
+    assert train(full) == (5e-5, 3.0, 0, 0.0)
+    assert task_defaults_note(full) == ("fine-tuning defaults (model.name is a pretrained model): train.lr=5e-05, "
+                                        "train.epochs=3, train.warmup_steps=0, train.weight_decay=0; "
+                                        "set any to override")
+    assert load_config(None, ["model.name=./mymodel", "lora.r=8"]).train.lr == 2e-4
+    (tmp_path / "c.yaml").write_text("model:\n  name: ./mymodel\ntrain:\n  lr: 1.0e-3\n  warmup_steps: 20\n")
+    mine = load_config(tmp_path / "c.yaml", ["lora.r=8", "train.weight_decay=0.1"])
+    assert train(mine) == (1e-3, 3.0, 20, 0.1)
+    assert task_defaults_note(mine).endswith("with LoRA): train.epochs=3; set any to override")
+    given = load_config(None, ["model.name=./m", "train.lr=1", "train.epochs=1", "train.warmup_steps=1",
+                               "train.weight_decay=1"])
+    assert train(given) == (1, 1, 1, 1) and task_defaults_note(given) is None
+    assert train(load_config(tmp_path / "c.yaml", ["model.name=null"])) == (1e-3, 2.0, 20, 0.1)  # scratch again
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("lr", "Did you mean 'train.lr'?"),  # not lora.r, the closer spelling
+    ("batch_size", "Did you mean 'train.batch_size'?"),
+    ("seq_len", "Did you mean 'data.seq_len'?"),
+    ("model.lr", "Did you mean 'train.lr'?"),
+    ("dropout", "Did you mean 'model.dropout' or 'lora.dropout'?"),
+])
+def test_a_bare_key_suggests_the_key_with_that_name(key, suggestion):
+    with pytest.raises(ShardlmError) as err:
+        load_config(None, [f"{key}=1e-4"])
+    assert str(err.value) == f"unknown config key '{key}' in the command line. {suggestion}"
