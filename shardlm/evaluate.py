@@ -32,6 +32,7 @@ from shardlm.load import inference_config, load_for_inference
 from shardlm.loss import IGNORE, linear_cross_entropy
 from shardlm.metrics import eval_summary, fmt_time
 from shardlm.model import auto_loss_chunk, context_length
+from shardlm.reporting import held_out_words
 
 
 class EvalProgress:
@@ -90,7 +91,7 @@ def evaluate_blocks(model, blocks: TokenBlocks | MixtureBlocks, batch: int, max_
         total += score(model, rows[:, :-1], rows[:, 1:], chunk)
         progress.update(rows[:, 1:].numel())
     progress.close()
-    return _summary(total)
+    return _summary(total, len(blocks) * blocks.seq_len)
 
 
 def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk: int) -> dict:
@@ -110,11 +111,12 @@ def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk:
         if end == len(stream) - 1:
             break
     progress.close()
-    return _summary(total)
+    return _summary(total, len(stream) - 1)
 
 
-def _summary(total: np.ndarray) -> dict:
-    return eval_summary(*total.tolist())
+def _summary(total: np.ndarray, held_out: int) -> dict:
+    """`held_out_tokens` next to `tokens` (those scored), as in training's records: fewer = a subset."""
+    return eval_summary(*total.tolist()) | {"held_out_tokens": held_out}
 
 
 @dataclass
@@ -159,7 +161,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
     result = _evaluate(model, tokens, tails, cfg, context, stride or 0, device)
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
-          f"({result['tokens']:,} tokens)", file=sys.stderr)
+          + held_out_words(result["tokens"], result["held_out_tokens"], cfg.train.eval_batches), file=sys.stderr)
     if gen.n:
         result["generation"] = evaluate_generation(model, tokenizer, tokens, seq_len, gen, device)
         log_generation(ckpt, result["generation"])

@@ -184,6 +184,30 @@ def _loss(record: dict | None) -> str | None:
     return f"{record['loss']:.4f} (perplexity {math.exp(min(record['loss'], 700)):.2f}) at step {record['step']}"
 
 
+def _val_loss(record: dict | None, cfg) -> str | None:
+    """The loss and which held-out tokens it is over: training scores a subset, `shardlm eval` all of them."""
+    from shardlm.reporting import held_out_words
+
+    loss = _loss(record)
+    if loss is None or not isinstance(record.get("tokens"), int):
+        return loss
+    return f"{loss}, {held_out_words(record['tokens'], record.get('held_out_tokens'), cfg and cfg.train.eval_batches)}"
+
+
+def layout(cfg, world_size: int | None, device: str | None) -> str:
+    """How the run was spread, by the rules it ran under (shardlm.parallel.fsdp_enabled): parallel.sharding
+    alone says nothing, as one process trains without FSDP unless parallel.fsdp or cpu_offload asks for it."""
+    from shardlm.parallel import fsdp_enabled
+
+    p = cfg.parallel
+    if world_size is None:
+        return f"not recorded (parallel.sharding {p.sharding})"
+    processes = f"{world_size} process{'es' * (world_size != 1)}"
+    if device == "xla":
+        return f"{processes}, XLA SPMD, FSDPv2 {p.sharding} sharding"
+    return f"{processes}, FSDP2 {p.sharding} sharding" if fsdp_enabled(cfg, world_size) else f"{processes}, no FSDP"
+
+
 def _data(data) -> str:
     """One source as given; a mixture as its sources with their weights (null: in proportion to their size)."""
     if not isinstance(data.train, list):
@@ -207,14 +231,15 @@ def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
              if cfg else None),
             ("steps", facts.get("step")),
             ("tokens seen", f"{train['tokens']:,}" if train and "tokens" in train else None),
-            ("final train loss", _loss(train)), ("final validation loss", _loss(val)),
+            ("final train loss", _loss(train)), ("final validation loss", _val_loss(val, cfg)),
             ("final validation accuracy", f"{val['accuracy']:.4f}" if val and val.get("accuracy") else None)]
     if cfg:
         t, p = cfg.train, cfg.parallel
         rows += [("config", f"seq_len {cfg.data.seq_len}, batch {t.batch_size} x grad_accum {t.grad_accum} x "
                             f"{facts.get('world_size') or '?'} rank(s), lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
                             f"to {t.lr * t.min_lr_ratio:g}), weight decay {t.weight_decay:g}, precision {p.precision}, "
-                            f"sharding {p.sharding}, seed {t.seed}"),
+                            f"seed {t.seed}"),
+                 ("layout", layout(cfg, facts.get("world_size"), (train or {}).get("device"))),
                  ("LoRA", f"r {cfg.lora.r}, alpha {cfg.lora.alpha:g}" if cfg.lora.r else None)]
     return rows
 

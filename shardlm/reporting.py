@@ -75,6 +75,16 @@ def run_header(run: Run) -> str:
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}")
 
 
+def held_out_words(tokens: int, held_out: int | None, eval_batches: int | None = None) -> str:
+    """Which held-out tokens a validation loss is over. Training scores a subset (train.eval_batches) and
+    `shardlm eval` all of them, and the two losses differ: each says which it is, so they are not taken for one."""
+    if held_out is None:  # a record written before records carried held_out_tokens
+        return f"on {tokens:,} held-out tokens"
+    if tokens >= held_out:
+        return f"on all {held_out:,} held-out tokens"
+    return f"on {tokens:,} of {held_out:,} held-out tokens (a subset: train.eval_batches={eval_batches})"
+
+
 class Reporter:
     """One per `fit`: opened before the first step (prints the header), closed after the last (prints `done`)."""
 
@@ -91,6 +101,7 @@ class Reporter:
         self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
         self.seconds, self.steps = 0.0, 0
         self.last_val: dict[str, Any] | None = None
+        self.held_out = 0
 
     def step_done(self, loss_sum: torch.Tensor) -> None:
         """After each optimizer step: its time (since the last step or `resume_clock`) and its loss."""
@@ -137,10 +148,16 @@ class Reporter:
         self.seconds, self.steps = 0.0, 0
 
     def log_val(self, step: int, result: dict[str, Any], tokens_seen: int) -> None:
-        self.log.write({"step": step, "split": "val", **result, "tokens_seen": tokens_seen})
+        """The record keeps `held_out_tokens` next to `tokens` (those scored), so a subset shows as one."""
+        held_out = len(self.run.val) * self.run.val.seq_len
+        self.log.write({"step": step, "split": "val", **result, "held_out_tokens": held_out,
+                        "tokens_seen": tokens_seen})
         self.progress.write(f"step {step}: val loss {result['loss']:.4f} ppl {result['ppl']:.2f} "
-                            f"accuracy {result['accuracy']:.3f}")
-        self.last_val = result
+                            f"accuracy {result['accuracy']:.3f} {self._scope(result, held_out)}")
+        self.last_val, self.held_out = result, held_out
+
+    def _scope(self, result: dict[str, Any], held_out: int) -> str:
+        return held_out_words(result["tokens"], held_out, self.run.cfg.train.eval_batches)
 
     def close(self, step: int, stopped: bool) -> dict[str, Any]:
         """Close the outputs; print the closing line unless the run stopped on a signal (train.py says so)."""
@@ -153,5 +170,6 @@ class Reporter:
             self.dist.print(f"done: {this}" if not start else f"done: step {step}/{self.total}; this invocation: "
                             f"{this} (resumed at step {start})", end="")
             v = self.last_val
-            self.dist.print(f", val loss {v['loss']:.4f} ppl {v['ppl']:.2f} accuracy {v['accuracy']:.3f}" if v else "")
+            self.dist.print(f", val loss {v['loss']:.4f} ppl {v['ppl']:.2f} accuracy {v['accuracy']:.3f} "
+                            f"{self._scope(v, self.held_out)}" if v else "")
         return {"val": self.last_val, "steps": step, "wall_s": wall}
