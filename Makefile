@@ -1,5 +1,5 @@
 # make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~5 min on 2 CPU cores)
-# make test: fresh venv, install, run the test suite
+# make test: fresh venv (.venv-test: the test extras stay out of the demo's .venv), install, run the test suite
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
 # make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~7.7 GB from PyPI, ~3 min
@@ -14,11 +14,18 @@ TORCH ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 XLA_VENV ?= .venv-xla
+# The test extras add torchao (fp8 tests), whose import prints notices (a .so it cannot load, pytree
+# warnings) in any script that imports transformers: tests get a venv of their own, and the demo's .venv,
+# which the README's tour runs in, stays without them. TEST_VENV=.venv shares one venv.
+TEST_VENV ?= .venv-test
+TEST_PY := $(TEST_VENV)/bin/python
 
 .PHONY: install install-test demo test lint clean gpu-check test-xla
 
+# The venv's own .gitignore (`*`, as Python 3.13's venv writes) keeps it out of git, whatever its name.
 $(PY):
 	python3 -m venv $(VENV)
+	echo '*' > $(VENV)/.gitignore
 
 install: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || { \
@@ -28,21 +35,20 @@ install: $(PY)
 	  else echo "installing $(TORCH) from the default index ($(TORCH_CPU_INDEX) unreachable)"; $(PIP) install -q "$(TORCH)"; fi; }
 	$(PIP) install -q -e .
 
-# The test extras add torchao (fp8 tests), whose import prints notices in any script that imports
-# transformers: the demo's venv stays without it.
-install-test: install
-	$(PIP) install -q -e ".[test]"
+install-test:
+	@$(MAKE) --no-print-directory install VENV=$(TEST_VENV)
+	$(TEST_PY) -m pip install -q -e ".[test]"
 
 demo: install
 	$(VENV)/bin/shardlm train out_dir=runs/demo
 
 test: install-test
-	$(PY) -m ruff check shardlm tests benchmarks
-	$(PY) -m pytest
+	$(TEST_PY) -m ruff check shardlm tests benchmarks
+	$(TEST_PY) -m pytest
 
 lint: install-test
-	$(PY) -m ruff check shardlm tests benchmarks
-	$(PY) -m mypy
+	$(TEST_PY) -m ruff check shardlm tests benchmarks
+	$(TEST_PY) -m mypy
 
 gpu-check:
 	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)
@@ -55,4 +61,4 @@ test-xla:
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 $(XLA_VENV)/bin/python -m pytest -p no:cacheprovider tests/test_xla.py
 
 clean:
-	rm -rf $(VENV) $(XLA_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(TEST_VENV) $(XLA_VENV) runs .pytest_cache
