@@ -72,9 +72,22 @@ def test_readme_commands_run_as_written(corpus, cache_dir, tmp_path):
             continue
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"README command failed: {shlex.join(argv)}\n{proc.stdout}\n{proc.stderr}"
-        ran.append(argv[:2])
+        ran.append((shlex.join(argv), proc.stdout + proc.stderr))
     assert len(ran) >= 10
     assert sorted(p.name for p in (tmp_path / "runs" / "demo" / "plots").glob("loss*.png"))
+    check_the_tour_words(ran, (tmp_path / "runs" / "demo-hf" / "README.md").read_text())
+
+
+def check_the_tour_words(ran: list[tuple[str, str]], card: str) -> None:
+    """What the tour shows: the rerun of make demo's command trains nothing (seconds, not a second run);
+    training's validation loss (a subset, train.eval_batches) and eval's (all held-out tokens) say which they
+    are, and so does the model card, with the one-process run's layout; plot says why there is no MFU figure."""
+    (_, demo), (_, again), out = ran[0], ran[1], dict(ran[2:])
+    assert "nothing to train" in again, again
+    subset = re.search(r"on ([\d,]+) of ([\d,]+) held-out tokens \(a subset: train.eval_batches=4\)", demo)
+    assert subset and f"on all {subset[2]} held-out tokens" in out["shardlm eval runs/demo"], demo
+    assert f"at step 10, {subset[0]} |" in card and "| layout | 1 process, no FSDP |" in card, card
+    assert "no mfu.png: MFU needs the device's peak FLOP/s" in out["shardlm plot runs/demo runs/short"]
 
 
 def test_plain_train_is_the_shakespeare_config():
