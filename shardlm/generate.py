@@ -3,8 +3,8 @@ prompts (left padding), a sliding window past the model's context, streaming to 
 
 Text shown to people (`shardlm generate`, the sample at the end of training) is `readable`: each EOS, the
 boundary between documents, is the line DOCUMENT_END, other special tokens are left out, and a character cut
-off at the end by max_new_tokens is dropped rather than shown as U+FFFD. `--json` keeps the exact decoding
-(EOS as the tokenizer writes it, `<|endoftext|>`): scripts get what the tokens are.
+off at the end by max_new_tokens is dropped rather than shown as U+FFFD. `--json` and `generate_from_path`
+keep the exact decoding (EOS as the tokenizer writes it, `<|endoftext|>`): code gets what the tokens are.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def iter_samples(hf_model: nn.Module, tokenizer, prompts: list[str], max_new_tok
 def generate_text(hf_model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                   num_samples: int = 1) -> list[str]:
-    """Samples, prompt included, `readable` (see `generate_batch`)."""
+    """Samples, prompt included, `readable`: for people, as the sample at the end of training (see `generate_batch`)."""
     return [s.shown for s in iter_samples(hf_model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p,
                                          seed, num_samples)]
 
@@ -271,8 +271,10 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: fl
 
 def generate_from_path(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                        top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[str]:
+    """Samples, prompt included, decoded exactly (for code, as `--json`; `generate_text` is for people)."""
     model, tokenizer = load_generator(path)
-    return generate_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, top_p, seed, num_samples)
+    return [s.text for s in iter_samples(model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p, seed,
+                                         num_samples)]
 
 
 def load_generator(path: str):
