@@ -393,7 +393,7 @@ class Checkpointer:
         manifest = check_resumable(path, self.run.cfg, self.run.hf_config,
                                    lambda known: self.base_identity(known) if self.lora else None)
         configured = hyperparameters(self.run.optimizer)
-        planned = {id(f): copy.copy(f) for f in self.run.scheduler.lr_lambdas}
+        planned = {id(f): copy.copy(f) for f in self.run.scheduler.lr_lambdas if isinstance(f, WarmupCosine)}
         sharded = self._sharded()
         dcp.load(sharded, checkpoint_id=str(path))
         for name, state in sharded.items():
