@@ -75,6 +75,16 @@ def _first_line(path: str | None) -> str | None:
     return None
 
 
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PALS_RANKID")
+
+
+def launch_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank as its launcher set it, 0 without one: lets rank 0 alone print before the process
+    group exists, without `detect_launch`'s full work (a SLURM job's master address can need scontrol)."""
+    env = os.environ if env is None else env
+    return int(next((env[k] for k in RANK_VARIABLES if k in env), 0))
+
+
 def detect_launch(env: Mapping[str, str] | None = None, launcher: str = "auto") -> LaunchInfo:
     env = os.environ if env is None else env
     port = int(env.get("MASTER_PORT", 29500))

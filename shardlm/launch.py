@@ -22,6 +22,9 @@ from pathlib import Path
 
 
 def launch(nproc: int, max_restarts: int, train_args: list[str], debug: bool) -> int:
+    warning = oversubscription_warning(nproc, cpu_cores(), lambda: on_cpu(train_args))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "shardlm.launch", "--standalone", f"--nproc-per-node={nproc}"]
     if max_restarts:
         cmd += [f"--max-restarts={max_restarts}"]
@@ -58,6 +61,39 @@ def launch(nproc: int, max_restarts: int, train_args: list[str], debug: bool) ->
               "rerun the same command to resume.", file=sys.stderr, flush=True)
         return 1
     return code
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def on_cpu(train_args: list[str]) -> bool:
+    """Whether the ranks will train on the CPU: parallel.device as the run resolves it (auto: no CUDA GPU)."""
+    from shardlm.cli import _split_config
+    from shardlm.config import load_config
+
+    config, overrides = _split_config([a for a in train_args if not a.startswith("--")])
+    device = load_config(config, overrides).parallel.device
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def oversubscription_warning(nproc: int, cores: int, cpu_ranks) -> str | None:
+    """More CPU ranks than cores: they take turns on the cores and every collective waits for the one
+    descheduled, so the run is usually slower than with fewer ranks, and nothing said so. `cpu_ranks()` is
+    only asked when it matters (it imports torch)."""
+    if nproc <= cores or not cpu_ranks():
+        return None
+    return (f"warning: --nproc {nproc} starts {nproc} CPU ranks on {cores} CPU core{'s' * (cores != 1)}: the ranks "
+            "take turns on the cores and each step waits for the slowest, which usually makes the run slower than "
+            f"with fewer ranks; use --nproc {cores} or fewer.")
 
 
 def _term_with_parent() -> None:

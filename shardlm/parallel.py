@@ -8,6 +8,8 @@ STRATEGIES; nothing else in the code depends on which one is chosen.
 
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +72,39 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
         raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
                            "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
-    return Plan(use_fsdp=use_fsdp, mesh_shape=mesh_shape(cfg, world_size, local_world_size),
-                reshard_after_forward=STRATEGIES[p.sharding][1], dtype=DTYPES[p.precision], compile=compile_)
+    shape = mesh_shape(cfg, world_size, local_world_size)
+    warn_once(gpu_config_warning(cfg, device))  # after the refusals: a config that cannot run says only that
+    return Plan(use_fsdp=use_fsdp, mesh_shape=shape, reshard_after_forward=STRATEGIES[p.sharding][1],
+                dtype=DTYPES[p.precision], compile=compile_)
+
+
+def gpu_config_warning(cfg: Config, device: torch.device) -> str | None:
+    """A config written for a GPU (bf16 or an explicit compile) runs on a CPU: it works, but at sizes chosen for a
+    GPU the first thing the user sees is an ETA of hours, with nothing saying why or what to change."""
+    p = cfg.parallel
+    if device.type != "cpu":
+        return None
+    found = []  # (the GPU setting, what a CPU run sets instead)
+    if p.precision != "fp32":
+        found.append((f"parallel.precision={p.precision}",
+                      "parallel.precision=fp32 (CPUs without AVX-512 BF16 or AMX emulate bf16)"))
+    if p.compile in ("model", "blocks"):
+        found.append((f"parallel.compile={p.compile}",
+                      "parallel.compile=false (a first compile on a CPU takes 10-60 s)"))
+    if not found:
+        return None
+    return (f"warning: this config was written for a GPU ({', '.join(s for s, _ in found)}) and runs on a CPU, where "
+            f"each step takes many times longer; for a CPU run set {' and '.join(f for _, f in found)}, or use a "
+            "smaller config such as shakespeare_tiny (shardlm configs lists them).")
+
+
+@functools.cache
+def warn_once(message: str | None) -> None:
+    """On rank 0 only, and once per process (`shardlm tune` plans every trial)."""
+    from shardlm.dist import launch_rank
+
+    if message and launch_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def mesh_shape(cfg: Config, world_size: int, local_world_size: int) -> tuple[int, ...]:

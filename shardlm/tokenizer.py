@@ -76,7 +76,12 @@ def tokenizer_spec(model: ModelConfig) -> str:
 
 def model_tokenizer(model: ModelConfig):
     """The run's tokenizer. Unset, a pretrained model's own: training a BPE model on other ids would run
-    without complaint and learn nothing, so the default is never a different tokenizer."""
+    without complaint and learn nothing, so the default is never a different tokenizer. A mistyped model
+    path is reported as such first, not as a tokenizer that cannot be loaded."""
+    from shardlm.model import check_model_path
+
+    if model.name is not None:
+        check_model_path(model.name)
     spec = tokenizer_spec(model)
     try:
         return load_tokenizer(spec, model.trust_remote_code)

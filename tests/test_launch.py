@@ -58,3 +58,35 @@ def test_forced_launcher_overrides_detection():
     assert detect_launch(env, "single").launcher == "single"
     with pytest.raises(ShardlmError, match="mpiexec"):
         detect_launch({}, "mpi")
+
+
+def test_launch_rank_reads_the_launchers_variable_without_resolving_the_launch():
+    from shardlm.dist import launch_rank
+
+    assert launch_rank({}) == 0 and launch_rank({"RANK": "3"}) == 3 and launch_rank({"SLURM_PROCID": "1"}) == 1
+    assert launch_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2 and launch_rank({"PMI_RANK": "5"}) == 5
+
+
+def test_more_cpu_ranks_than_cores_is_a_warning():
+    from shardlm.launch import oversubscription_warning
+
+    def never():
+        raise AssertionError("the device is only asked about when the ranks outnumber the cores")
+
+    assert oversubscription_warning(4, 2, lambda: True) == (
+        "warning: --nproc 4 starts 4 CPU ranks on 2 CPU cores: the ranks take turns on the cores and each step "
+        "waits for the slowest, which usually makes the run slower than with fewer ranks; use --nproc 2 or fewer.")
+    assert oversubscription_warning(2, 2, never) is None
+    assert oversubscription_warning(8, 2, lambda: False) is None  # GPU ranks: one core each is not the limit
+
+
+def test_nproc_above_the_cores_warns_before_launching(monkeypatch, capfd, tmp_path):
+    from shardlm import launch
+    from shardlm.cli import main
+
+    monkeypatch.setattr(launch, "cpu_cores", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(SystemExit) as done:  # a missing file: the ranks fail at once, after the warning
+        main(["train", "--nproc", "2", "data.train=/missing.txt", f"out_dir={tmp_path / 'run'}"])
+    err = capfd.readouterr().err
+    assert done.value.code == 2 and err.startswith("warning: --nproc 2 starts 2 CPU ranks on 1 CPU core:"), err
