@@ -1,11 +1,15 @@
 """`shardlm train CONFIG --dry-run`: every check a run makes before its first step, without the work.
 
-The config is validated, the data specs resolved (files found and the first records of each read, so a missing
-CSV column or a malformed first line shows; Hugging Face datasets named, not downloaded), the tokenizer and the
-model's config read, the parameters counted on the `meta` device (LoRA's adapters injected there, so target
-errors show), the checkpoint a run would resume checked against the config (model, LoRA rank, alpha, targets
-and base), and the parallel plan checked for the world size the run would have. Nothing is written: no out_dir,
-no cache.
+In the run's order (shardlm.build, then the checks `train` makes before its first step): the trackers, the
+device and parallel plan for the world size the run would have, QLoRA's needs, out_dir, the tokenizer and the
+model's config, the parameters counted on the `meta` device (LoRA's adapters injected there, so target errors
+show), the data (files found and the first records of each read, so a missing CSV column or a malformed first
+line shows), the blocks and steps, train.gen_every's held-out blocks, and the checkpoint a run would resume
+checked against the config (model, LoRA rank, alpha, targets and base).
+The blocks come from each source's token count: its cache's if built, else the source tokenized in memory until
+it has more than the checks need. The run's own code then cuts them (`prepare_data`, `count_steps`), so data
+too short for a validation block or a global batch fails here with the run's message. Hugging Face datasets are
+named, not downloaded (nor counted). Nothing is written: no out_dir, no cache.
 A hub name that cannot be reached offline is reported as such rather than failed, so a config written for
 a networked machine still validates here.
 """
@@ -14,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shardlm import ShardlmError, lora
@@ -41,21 +47,25 @@ def _data_line(name: str, spec: str | None, default_split: str, data_files=None,
     return f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB"
 
 
-def _model_lines(cfg: Config) -> list[str]:
+def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
+    """(tokenizer, HF config, lines); the tokenizer or config is None where a hub name cannot be reached."""
     from shardlm.hub import hub_reachable
     from shardlm.model import empty_model, model_config, num_params
     from shardlm.tokenizer import model_tokenizer, tokenizer_spec
 
+    tokenizer = None
     try:
         tokenizer = model_tokenizer(cfg.model)
         hf_cfg = model_config(cfg, tokenizer)
     except ShardlmError as e:
-        names = [n for n in dict.fromkeys((cfg.model.name, tokenizer_spec(cfg.model)))
-                 if n and n != "bytes" and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", n)
+        loaded = () if tokenizer is None else (tokenizer_spec(cfg.model),)  # only what failed is named
+        names = [n for n in dict.fromkeys((cfg.model.name, tokenizer_spec(cfg.model))) if n not in loaded
+                 and n and n != "bytes" and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", n)
                  and not Path(n).expanduser().exists()]
         if names and not hub_reachable() and "cannot be reached" in str(e):
-            return [f"model: {cfg.model.name or 'from scratch'}; not checked: {', '.join(names)} is a hub name, "
-                    "the Hub cannot be reached and it is not in the local HF cache (it downloads when online)"]
+            return tokenizer, None, [f"model: {cfg.model.name or 'from scratch'}; not checked: {', '.join(names)} "
+                                     "is a hub name, the Hub cannot be reached and it is not in the local HF cache "
+                                     "(it downloads when online)"]
         raise
     model = empty_model(hf_cfg, "meta")
     if lora.enabled(cfg):
@@ -63,8 +73,8 @@ def _model_lines(cfg: Config) -> list[str]:
     n, trainable = num_params(model), num_params(model, trainable_only=True)
     what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
     adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg) else ""
-    return [f"model: {what}, {n / 1e6:.2f}M parameters{adapters}; tokenizer {tokenizer_spec(cfg.model)}, "
-            f"{len(tokenizer)} tokens", *_resume_lines(cfg, hf_cfg)]
+    return tokenizer, hf_cfg, [f"model: {what}, {n / 1e6:.2f}M parameters{adapters}; tokenizer "
+                               f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
 
 
 def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
@@ -79,26 +89,89 @@ def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
     return [f"resume: {path} (step {manifest['step']})"]
 
 
-def dry_run(cfg: Config, world_size: int) -> str:
+def enough_tokens(cfg: Config, world: int) -> int:
+    """Tokens past which a source passes every block check whatever its real size: one global batch to
+    train on (its held-out tail aside) and the validation blocks needed (train.gen_samples with gen_every)."""
+    d, t = cfg.data, cfg.train
+    val_blocks = t.gen_samples if t.gen_every else 1
+    train_tokens = world * t.batch_size * t.grad_accum * d.seq_len + 2
+    return math.ceil(train_tokens / (1 - d.val_fraction)) + math.ceil((val_blocks * d.seq_len + 2) / d.val_fraction)
+
+
+def _blocks_line(cfg: Config, tokenizer, world: int) -> str:
+    """The run's block and step checks, on counted tokens (`counting_loader`): the same messages."""
+    from shardlm.build import count_steps
+    from shardlm.data import counting_loader, prepare_data
+    from shardlm.data.sources import resolve
+
+    d = cfg.data
+    specs = [*(d.train if isinstance(d.train, list) else [d.train]), *([d.val] if d.val else [])]
+    if tokenizer is None:
+        return "blocks: not counted (the tokenizer is a hub name that cannot be reached)"
+    if any(resolve(spec, "train", d.data_files).hf for spec in specs):
+        return "blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)"
+    exact: list[bool] = []
+    train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
+    steps = count_steps(cfg, train, world)
+    _check_generation(cfg, val)
+    blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
+    if all(exact):
+        return f"blocks: {blocks}; {steps:,} steps"
+    steps_known = f"; {steps:,} steps" if cfg.train.max_steps is not None else ""
+    return f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}"
+
+
+def _check_generation(cfg: Config, val) -> None:
+    """train.gen_every's libraries and held-out blocks, as `train.generation_callback` checks them."""
+    t = cfg.train
+    if not t.gen_every:
+        return
+    from shardlm.genquality import MODULES, held_out_prompts, require
+
+    for module in MODULES:
+        require(module)
+    parts = getattr(val, "parts", [val])  # a mixture's tails, or one source's blocks
+    tokens = sum(p.end - p.start for p in parts)
+    held_out_prompts(np.broadcast_to(np.zeros((), dtype=np.uint8), (tokens,)), val.seq_len, t.gen_samples,
+                     val.seq_len // 2, option="train.gen_samples")
+
+
+def _device(cfg: Config) -> torch.device:
     from shardlm import xla
     from shardlm.dist import pick_device
-    from shardlm.parallel import plan
 
     explicit = cfg.parallel.device != "auto" or xla.wanted("auto")
-    device = pick_device(cfg.parallel.device, 0) if explicit else \
+    return pick_device(cfg.parallel.device, 0) if explicit else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dry_run(cfg: Config, world_size: int) -> str:
+    from shardlm import tracking, xla
+    from shardlm.build import check_out_dir
+    from shardlm.config import task_defaults_note
+    from shardlm.parallel import plan
+
+    tracking.require(cfg.log)
+    device = _device(cfg)
     pl = plan(cfg, world_size, world_size, device)
-    train = cfg.data.train
+    lora.check(cfg, device, sharded=pl.use_fsdp)
+    check_out_dir(cfg.out_dir)
+    tokenizer, hf_cfg, model_lines = _model(cfg)
     d = cfg.data
-    specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(train)] if isinstance(train, list) else \
-        [("data.train", train)]
-    lines = [*(_data_line(name, spec, "train", d.data_files, d.text_field) for name, spec in specs),
-             _data_line("data.val", d.val, "validation", d.data_files, d.text_field),
-             *_model_lines(cfg),
+    specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
+        [("data.train", d.train)]
+    data_lines = [*(_data_line(name, spec, "train", d.data_files, d.text_field) for name, spec in specs),
+                  _data_line("data.val", d.val, "validation", d.data_files, d.text_field)]
+    world = world_size * (xla.device_count() if device.type == "xla" else 1)
+    blocks = _blocks_line(cfg, tokenizer, world)
+    resume = _resume_lines(cfg, hf_cfg) if hf_cfg is not None else []
+    note = task_defaults_note(cfg)
+    lines = [*data_lines, blocks, *model_lines, *resume,
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")
              + f", {cfg.parallel.precision}, compile {pl.compile}",
-             f"global batch: {world_size} x {cfg.train.batch_size} x {cfg.train.grad_accum} blocks of "
+             f"global batch: {world} x {cfg.train.batch_size} x {cfg.train.grad_accum} blocks of "
              f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
+             *([note] if note else []),
              "dry run: the config is valid; nothing was trained or written"]
     return "\n".join(lines)

@@ -360,3 +360,38 @@ def test_hf_dataset_downloaded_earlier_loads_offline_from_the_hf_cache(tmp_path,
             tokens_of("hf:some-org/missing", tmp_path)
     finally:
         hub_reachable.cache_clear()
+
+
+def test_count_tokens_writes_nothing_and_stops_once_there_are_enough(tmp_path, monkeypatch):
+    """A dry run's count: a built cache's own number, else the source tokenized in memory; past `enough`
+    tokens the rest of a large corpus is left unread (exact False), and nothing is ever written."""
+    from shardlm.data import cache
+    from shardlm.data.cache import count_tokens
+
+    monkeypatch.setattr(cache, "BATCH_CHARS", 100)
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": "y" * 49}) + "\n" for _ in range(100)))
+    source, root = resolve(str(tmp_path / "a.jsonl")), tmp_path / "cache"
+    assert count_tokens(source, byte_tokenizer(), root) == (5000, True)
+    assert count_tokens(source, byte_tokenizer(), root, enough=4990) == (5000, True)  # reached in the last batch
+    counted, exact = count_tokens(source, byte_tokenizer(), root, enough=1000)
+    assert 1000 <= counted < 1200 and not exact and not root.exists()
+    (tmp_path / "empty.csv").write_text('text\n""\n')
+    with pytest.raises(ShardlmError, match="holds no text"):
+        count_tokens(resolve(str(tmp_path / "empty.csv")), byte_tokenizer(), root)
+    build_cache(source, byte_tokenizer(), root, log=lambda *_: None)
+    assert count_tokens(source, byte_tokenizer(), root, enough=10) == (5000, True)
+
+
+def test_the_counting_loader_gives_prepare_data_the_runs_blocks(tmp_path):
+    from shardlm.config import load_config
+    from shardlm.data import counting_loader, prepare_data
+    from shardlm.dist import Dist, LaunchInfo
+
+    (tmp_path / "a.txt").write_text("abc " * 1000)
+    cfg = load_config(None, [f"data.train={tmp_path / 'a.txt'}", "data.seq_len=32",
+                             f"data.cache_dir={tmp_path / 'cache'}"]).data
+    exact: list[bool] = []
+    train, val = prepare_data(cfg, byte_tokenizer(), None, counting_loader(10**9, exact))
+    assert exact == [True] and not (tmp_path / "cache").exists()
+    run_train, run_val = prepare_data(cfg, byte_tokenizer(), Dist(LaunchInfo("single"), torch.device("cpu")))
+    assert (len(train), len(val)) == (len(run_train), len(run_val)) == (112, 12)

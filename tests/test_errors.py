@@ -422,3 +422,76 @@ def test_a_mixture_source_too_short_for_one_block_is_named(tmp_path):
     assert str(err.value).startswith("mixture source data.train[1] '") and "\n" not in str(err.value)
     assert "b.txt' has 9 tokens (less the 10% held out for validation), fewer than one block of data.seq_len=32 " \
            "+ 1. Give it more data, remove it from data.train, or use a smaller data.seq_len." in str(err.value)
+
+
+# ---- issue 25: messages that pointed the wrong way --------------------------------------------------------------
+def test_a_mistyped_model_path_is_named_before_the_tokenizer(tmp_path):
+    """`model.name=./mymodle` blamed the tokenizer (and advised model.tokenizer=gpt2): the path comes first."""
+    (tmp_path / "mymodel").mkdir()
+    byte_gpt2_config().save_pretrained(tmp_path / "mymodel")
+    proc = shardlm_cli(["train", "model.name=./mymodle", "out_dir=run", "data.cache_dir=cache"], check=False,
+                       cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: model.name './mymodle' is a path that does not exist. Did you mean './mymodel'? Point model.name at "
+        "a folder holding config.json and the weights (saved with save_pretrained or `shardlm export`), or give a "
+        "hub name such as gpt2."), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mymodel"]  # nothing read or written
+
+
+def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
+    from shardlm.model import check_model_path
+    from shardlm.tokenizer import model_tokenizer
+
+    byte_gpt2_config().save_pretrained(tmp_path / "m")
+    (tmp_path / "empty").mkdir()
+    for name, message in ((tmp_path / "m" / "config.json", "config.json' is a file, not a folder. Point model.name"),
+                          (tmp_path / "empty", "empty': it is a folder without a config.json."),
+                          (tmp_path / "runs" / "m", "m' is a path that does not exist. Point model.name")):
+        with pytest.raises(ShardlmError, match=message):
+            model_tokenizer(load_config(None, [f"model.name={name}"]).model)
+    check_model_path(str(tmp_path / "m"))
+    check_model_path("some-org/model")  # a hub name: the hub decides
+
+
+def test_a_gpu_config_on_a_cpu_warns_once_with_what_to_change(corpus, cache_dir, tmp_path):
+    from shardlm.parallel import gpu_config_warning
+
+    warning = gpu_config_warning(load_config("gpt2_wikitext2"), CPU)
+    assert warning.startswith("warning: this config was written for a GPU (parallel.precision=bf16) and runs on a "
+                              "CPU") and "set parallel.precision=fp32" in warning and "shakespeare_tiny" in warning
+    assert "parallel.compile=false" in gpu_config_warning(load_config(None, ["parallel.compile=model"]), CPU)
+    assert gpu_config_warning(load_config(None, []), CPU) is None
+    assert gpu_config_warning(load_config("gpt2_wikitext2"), torch.device("cuda")) is None
+    args = tiny(corpus, cache_dir, tmp_path / "run", **{"parallel.precision": "bf16", "train.max_steps": 1})
+    proc = shardlm_cli(["train", "--nproc", "2", *args])  # bf16 trains on a CPU: a warning, not an error
+    assert proc.stderr.count("warning: this config was written for a GPU") == 1, proc.stderr
+
+
+def test_dry_run_fails_where_the_run_fails_validation_shorter_than_a_block(tmp_path):
+    """`--dry-run` said "the config is valid" for data whose held-out tail is shorter than one block."""
+    (tmp_path / "pc.txt").write_text("x" * 900)  # 901 tokens with EOS: a 91-token tail, under 128 + 1
+    args = ["train", "data.train=pc.txt", "train.batch_size=2", "out_dir=run", "data.cache_dir=cache"]
+    dry = shardlm_cli([*args, "--dry-run"], check=False, cwd=tmp_path)
+    assert dry.returncode == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["pc.txt"]  # nothing written
+    real = shardlm_cli(args, check=False, cwd=tmp_path)
+    assert real.returncode == 2 and dry.stderr.strip() == real.stderr.strip().splitlines()[-1] == (
+        "error: the validation data (the last 10% of 'pc.txt') has 91 tokens, fewer than one block of "
+        "data.seq_len=128 + 1. Use more data or a smaller data.seq_len, or a larger data.val_fraction.")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"train.batch_size": 100000}, "fewer than one global batch"),
+    ({"train.gen_every": 2, "train.gen_samples": 100000}, "train.gen_samples 100000 needs 100000 held-out blocks"),
+    ({"out_dir": "file/run"}, "cannot create out_dir 'file/run': '.*file' is a file"),
+])
+def test_dry_run_makes_the_checks_of_build(corpus, cache_dir, tmp_path, monkeypatch, extra, message):
+    from shardlm.dryrun import dry_run
+
+    if "train.gen_every" in extra:
+        pytest.importorskip("mauve")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
+    args = tiny(corpus, cache_dir, tmp_path / "run", **{k: v for k, v in extra.items() if k != "out_dir"})
+    with pytest.raises(ShardlmError, match=message):
+        dry_run(load_config(None, [*args, f"out_dir={extra.get('out_dir', tmp_path / 'run')}"]), 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
 from shardlm.data.blocks import GlobalSampler, TokenBlocks, eval_shares, micro_batch_position
-from shardlm.data.cache import build_cache, cache_root, load_tokens
+from shardlm.data.cache import build_cache, cache_root, count_tokens, load_tokens
 from shardlm.data.mixture import MixtureBlocks, MixtureSampler
 from shardlm.data.sources import resolve
 
 __all__ = ["Blocks", "GlobalSampler", "MixtureBlocks", "MixtureSampler", "TokenBlocks", "eval_shares",
-           "micro_batch_position", "prepare_data", "load_split", "train_sampler"]
+           "micro_batch_position", "prepare_data", "load_split", "train_sampler", "counting_loader"]
 
 Blocks = TokenBlocks | MixtureBlocks
 
@@ -33,6 +36,21 @@ def load_split(spec: str, cfg: DataConfig, tokenizer, dist, default_split: str):
     return load_tokens(Path(path))
 
 
+def counting_loader(enough: int, exact: list[bool]) -> Callable:
+    """A `load` for `prepare_data` that writes nothing (`shardlm train --dry-run`): each source's token count
+    (`count_tokens`: its cache's, or tokenized in memory up to `enough`), as a zero-copy array of that length,
+    since only lengths are read before training. Each count's exactness is appended to `exact`."""
+
+    def load(spec: str, cfg: DataConfig, tokenizer, _dist, default_split: str) -> np.ndarray:
+        source = resolve(spec, default_split, cfg.data_files)
+        n, is_exact = count_tokens(source, tokenizer, cache_root(cfg.cache_dir), cfg.text_field,
+                                   cfg.hf_rows_are_documents, enough)
+        exact.append(is_exact)
+        return np.broadcast_to(np.zeros((), dtype=np.uint8), (n,))
+
+    return load
+
+
 def train_sampler(train: Blocks, seed: int) -> GlobalSampler | MixtureSampler:
     """The global order of the training blocks: one source's epochs, or a mixture's weighted rounds."""
     if isinstance(train, MixtureBlocks):
@@ -40,12 +58,14 @@ def train_sampler(train: Blocks, seed: int) -> GlobalSampler | MixtureSampler:
     return GlobalSampler(len(train), seed)
 
 
-def prepare_data(cfg: DataConfig, tokenizer, dist) -> tuple[Blocks, Blocks]:
+def prepare_data(cfg: DataConfig, tokenizer, dist, load: Callable = load_split) -> tuple[Blocks, Blocks]:
+    """Training and validation blocks, checked to hold one block each. `load` gives a source's tokens:
+    `load_split`, or for a dry run an array of the right length that nothing was written for."""
     if isinstance(cfg.train, list):
-        return prepare_mixture(cfg, tokenizer, dist)
-    train_tokens = load_split(cfg.train, cfg, tokenizer, dist, "train")
+        return prepare_mixture(cfg, tokenizer, dist, load)
+    train_tokens = load(cfg.train, cfg, tokenizer, dist, "train")
     if cfg.val:
-        val_tokens = load_split(cfg.val, cfg, tokenizer, dist, "validation")
+        val_tokens = load(cfg.val, cfg, tokenizer, dist, "validation")
         train = TokenBlocks(train_tokens, cfg.seq_len)
         val = TokenBlocks(val_tokens, cfg.seq_len)
     else:  # hold out the tail of the training stream, as nanoGPT does: deterministic and disjoint
@@ -69,13 +89,13 @@ def _too_short(name: str, tokens: int, cfg: DataConfig) -> str:
             f"Use more data or a smaller data.seq_len{fix}.")
 
 
-def prepare_mixture(cfg: DataConfig, tokenizer, dist) -> tuple[MixtureBlocks, Blocks]:
+def prepare_mixture(cfg: DataConfig, tokenizer, dist, load: Callable = load_split) -> tuple[MixtureBlocks, Blocks]:
     """`data.train` a list: each source's cache, its training blocks sampled by `data.weights`. Without
     data.val, validation is the held-out tail (data.val_fraction) of every source, interleaved; a source too
     short to give a held-out block gives none."""
     trains, tails = [], []
     for i, spec in enumerate(cfg.train):
-        tokens = load_split(spec, cfg, tokenizer, dist, "train")
+        tokens = load(spec, cfg, tokenizer, dist, "train")
         cut = len(tokens) if cfg.val else int(len(tokens) * (1 - cfg.val_fraction))
         trains.append(TokenBlocks(tokens, cfg.seq_len, 0, cut))
         tails.append(TokenBlocks(tokens, cfg.seq_len, cut))
@@ -86,7 +106,7 @@ def prepare_mixture(cfg: DataConfig, tokenizer, dist) -> tuple[MixtureBlocks, Bl
                                "data.train, or use a smaller data.seq_len.")
     train = MixtureBlocks(trains, cfg.weights)
     if cfg.val:
-        val: Blocks = TokenBlocks(load_split(cfg.val, cfg, tokenizer, dist, "validation"), cfg.seq_len)
+        val: Blocks = TokenBlocks(load(cfg.val, cfg, tokenizer, dist, "validation"), cfg.seq_len)
         if len(val) == 0:
             raise ShardlmError(_too_short("validation", val.end - val.start, cfg))
         return train, val

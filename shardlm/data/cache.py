@@ -142,10 +142,7 @@ def _build(source: Source, tokenizer, folder: Path, text_field: str, rows_are_do
     try:
         with open(tmp / "tokens.bin", "wb") as out, all_cores():
             stats = _write_tokens(source, tokenizer, out, text_field, rows_are_documents)
-        if stats["num_tokens"] <= stats["documents"]:  # nothing but EOS tokens
-            raise ShardlmError(f"data source '{source.spec}' holds no text: no record has a non-empty "
-                               f"'{text_field}'. Give data with text, or set data.text_field to the column or field "
-                               "that holds it.")
+        _check_text(stats["num_tokens"], stats["documents"], source, text_field)
         seconds = time.time() - start
         meta = {**stats, "source": source.spec, "tokenizer": getattr(tokenizer, "name_or_path", ""),
                 "vocab_size": len(tokenizer), "seconds": round(seconds, 3), "shardlm_version": __version__}
@@ -177,13 +174,12 @@ def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[list[str], li
         yield texts, ends
 
 
-def _write_tokens(source: Source, tokenizer, out, text_field: str, rows_are_documents: bool) -> dict:
-    """Tokenize every piece in order and append the ids (EOS after each document) to `out`."""
+def _token_batches(source: Source, tokenizer, text_field: str,
+                   rows_are_documents: bool) -> Iterator[tuple[np.ndarray, int, int]]:
+    """(ids with an EOS after each document, documents ended, text bytes) per batch of pieces, in order."""
     vocab, eos = len(tokenizer), tokenizer.eos_token_id
-    dtype = np.uint16 if vocab <= np.iinfo(np.uint16).max + 1 else np.uint32
     encode = encoder(tokenizer)
     fragments = iter_documents(source, text_field, rows_are_documents)
-    count = docs = text_bytes = 0
     for texts, ends in _batches(cut_documents(fragments, encode, PIECE_CHARS, source.spec)):
         flat: list[int] = []
         for ids, end in zip(encode(texts), ends, strict=True):
@@ -191,10 +187,44 @@ def _write_tokens(source: Source, tokenizer, out, text_field: str, rows_are_docu
             if end:
                 flat.append(eos)
         arr = np.array(flat, dtype=np.int64)
-        size = arr.size
         if arr.size and arr.max() >= vocab:
             raise ShardlmError(f"tokenizer produced id {arr.max()} >= its vocabulary size {vocab}.")
+        yield arr, sum(ends), sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+
+def _write_tokens(source: Source, tokenizer, out, text_field: str, rows_are_documents: bool) -> dict:
+    """Tokenize every piece in order and append the ids (EOS after each document) to `out`."""
+    dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    count = docs = text_bytes = 0
+    for arr, ended, size in _token_batches(source, tokenizer, text_field, rows_are_documents):
         out.write(arr.astype(dtype).tobytes())
-        count, docs = count + size, docs + sum(ends)
-        text_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+        count, docs, text_bytes = count + arr.size, docs + ended, text_bytes + size
     return {"num_tokens": count, "dtype": np.dtype(dtype).name, "documents": docs, "text_bytes": text_bytes}
+
+
+def _check_text(num_tokens: int, documents: int, source: Source, text_field: str) -> None:
+    if num_tokens <= documents:  # nothing but EOS tokens
+        raise ShardlmError(f"data source '{source.spec}' holds no text: no record has a non-empty "
+                           f"'{text_field}'. Give data with text, or set data.text_field to the column or field "
+                           "that holds it.")
+
+
+def count_tokens(source: Source, tokenizer, root: Path, text_field: str = "text", rows_are_documents: bool = True,
+                 enough: int | None = None) -> tuple[int, bool]:
+    """(tokens, exact) of what `build_cache` would hold, writing nothing: a dry run's check of the block counts.
+    A built cache answers at once; otherwise the source is tokenized in memory, stopping once `enough` tokens
+    are counted (exact False: at least that many), so a large corpus costs a dry run seconds, not its build."""
+    meta = root / cache_key(source, tokenizer, text_field, rows_are_documents) / "meta.json"
+    if meta.is_file():
+        return json.loads(meta.read_text())["num_tokens"], True
+    count = docs = 0
+    with all_cores():
+        batches = _token_batches(source, tokenizer, text_field, rows_are_documents)
+        batch = next(batches, None)
+        while batch is not None:
+            count, docs = count + batch[0].size, docs + batch[1]
+            batch = next(batches, None)  # read ahead: a source that ends here is counted exactly
+            if batch is not None and enough is not None and count >= enough and count > docs:
+                return count, False
+    _check_text(count, docs, source, text_field)
+    return count, True
