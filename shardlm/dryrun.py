@@ -58,10 +58,9 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
         tokenizer = model_tokenizer(cfg.model)
         hf_cfg = model_config(cfg, tokenizer)
     except ShardlmError as e:
-        loaded = () if tokenizer is None else (tokenizer_spec(cfg.model),)  # only what failed is named
-        names = [n for n in dict.fromkeys((cfg.model.name, tokenizer_spec(cfg.model))) if n not in loaded
-                 and n and n != "bytes" and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", n)
-                 and not Path(n).expanduser().exists()]
+        failed = (cfg.model.name,) if tokenizer is not None else (cfg.model.name, tokenizer_spec(cfg.model))
+        names = [n for n in dict.fromkeys(failed) if n and n != "bytes"
+                 and re.fullmatch(r"[\w][\w.-]*(/[\w][\w.-]*)?", n) and not Path(n).expanduser().exists()]
         if names and not hub_reachable() and "cannot be reached" in str(e):
             return tokenizer, None, [f"model: {cfg.model.name or 'from scratch'}; not checked: {', '.join(names)} "
                                      "is a hub name, the Hub cannot be reached and it is not in the local HF cache "
