@@ -49,15 +49,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     rest = [args.run, *args.rest] if args.command == "resume" else args.rest
     config, overrides = continue_run(*_split_config(rest), must_resume=args.command == "resume")
     cfg = load_config(config, overrides)  # checked before any process is started
+    from shardlm.callbacks import load
+
+    callbacks = [load(spec) for spec in args.callback]  # a bad one fails here, before any process starts
     if args.dry_run:
         from shardlm.dist import detect_launch
         from shardlm.dryrun import dry_run
 
         print(dry_run(cfg, args.nproc or detect_launch(launcher=cfg.parallel.launcher).world_size))
         return 0
-    from shardlm.callbacks import load
-
-    callbacks = [load(spec) for spec in args.callback]  # a bad one fails here, before any process starts
     if args.nproc and "TORCHELASTIC_RUN_ID" not in os.environ:
         from shardlm.launch import launch
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardlm import lora, xla
+from shardlm.config import task_defaults_note
 from shardlm.metrics import (
     Eta,
     MetricsLog,
@@ -55,7 +56,8 @@ def _params(run: Run) -> str:
 
 
 def run_header(run: Run) -> str:
-    """Three lines: where and how the run trains, the model and data, the steps and batch."""
+    """Three lines: where and how the run trains, the model and data, the steps and batch; a fourth names the
+    fine-tuning defaults in effect (a pretrained model.name)."""
     cfg, d, pl = run.cfg, run.dist, run.plan
     if pl.use_fsdp:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
@@ -72,7 +74,8 @@ def run_header(run: Run) -> str:
             + (f", {', '.join(extras)}" if extras else "") + "\n"
             f"model: {_params(run)}; data: {getattr(run.train, 'sampled_blocks', len(run.train)):,} train / "
             f"{len(run.val):,} val blocks of {seq} tokens\n"
-            f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}")
+            f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}"
+            + (f"\n{note}" if (note := task_defaults_note(cfg)) else ""))
 
 
 def held_out_words(tokens: int, held_out: int | None, eval_batches: int | None = None) -> str:

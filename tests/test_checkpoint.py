@@ -247,3 +247,9 @@ def test_resume_continues_a_run_from_its_saved_config(corpus, cache_dir, tmp_pat
     proc = shardlm_cli(["resume", str(empty)], check=False)
     assert proc.returncode == 2 and f"error: no complete checkpoint in '{empty}' (it has none)" in proc.stderr
     assert "checkpoint.resume=none" in proc.stderr
+    proc = shardlm_cli(["resume", str(tmp_path / "missing"), "checkpoint.resume=/missing"], check=False)
+    assert proc.returncode == 2 and "is not a run folder (no config.yaml in it)" in proc.stderr
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, empty, **{"checkpoint.resume": tmp_path / "gone"})],
+                       check=False)
+    assert proc.returncode == 2 and f"checkpoint path '{tmp_path / 'gone'}' does not exist. Give a run dir" in \
+        proc.stderr and "checkpoint.resume=none starts fresh" in proc.stderr

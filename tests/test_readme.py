@@ -81,13 +81,16 @@ def test_readme_commands_run_as_written(corpus, cache_dir, tmp_path):
 def check_the_tour_words(ran: list[tuple[str, str]], card: str) -> None:
     """What the tour shows: the rerun of make demo's command trains nothing (seconds, not a second run);
     training's validation loss (a subset, train.eval_batches) and eval's (all held-out tokens) say which they
-    are, and so does the model card, with the one-process run's layout; plot says why there is no MFU figure."""
+    are, and so does the model card, with the one-process run's layout; plot says why there is no MFU figure;
+    resume extends a run from its own config and says what the learning rate does."""
     (_, demo), (_, again), out = ran[0], ran[1], dict(ran[2:])
     assert "nothing to train" in again, again
     subset = re.search(r"on ([\d,]+) of ([\d,]+) held-out tokens \(a subset: train.eval_batches=4\)", demo)
     assert subset and f"on all {subset[2]} held-out tokens" in out["shardlm eval runs/demo"], demo
     assert f"at step 10, {subset[0]} |" in card and "| layout | 1 process, no FSDP |" in card, card
     assert "no mfu.png: MFU needs the device's peak FLOP/s" in out["shardlm plot runs/demo runs/short"]
+    extended = out["shardlm resume runs/short train.max_steps=120"]
+    assert "resumed from" in extended and "the run's end moved from step 10 to 120" in extended, extended
 
 
 def test_plain_train_is_the_shakespeare_config():
@@ -106,7 +109,7 @@ def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     extra = []
     if "my_corpus" in str(yaml.safe_load(config.read_text()).get("data", {}).get("train")):
-        (tmp_path / "corpus.csv").write_text('text\n"hello world"\n')
+        (tmp_path / "corpus.csv").write_text('text\n' + '"hello world"\n' * 20000)  # a batch of 1024-token blocks
         extra = [f"data.train={tmp_path / 'corpus.csv'}"]
     assert cmd_train(parse_args(["train", str(config), "--dry-run", "--nproc", "2", *extra])) == 0
     out = capsys.readouterr().out
@@ -119,4 +122,5 @@ def test_options_overrides_and_files_mix_in_any_order(capsys):
     assert parse_args(["eval", "runs/x", "--stride", "8", "data.val=v.txt"]).overrides == ["data.val=v.txt"]
     with pytest.raises(SystemExit) as exit_:
         parse_args(["train", "a.yaml", "--nprocs", "4"])
-    assert exit_.value.code == 2 and "unrecognized arguments for 'shardlm train': --nprocs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "'shardlm train': --nprocs. Did you mean --nproc?" in err
