@@ -20,7 +20,7 @@ def rss_gb() -> float:
     """This process's peak RSS so far, GiB."""
     import torch
 
-    from shardlm.metrics import peak_memory_bytes
+    from shardlm.observe.metrics import peak_memory_bytes
 
     return peak_memory_bytes(torch.device("cpu")) / 2**30
 
@@ -29,11 +29,11 @@ def worker(out_dir: str, mode: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from shardlm.build import build_model, build_optimizer, init_dist
-    from shardlm.checkpoint import model_parts
+    from shardlm.checkpoint.checkpointer import model_parts
     from shardlm.config import load_config
-    from shardlm.model import model_config
+    from shardlm.models.causal_lm import model_config
     from shardlm.tokenizer import load_tokenizer
+    from shardlm.training.build import build_model, build_optimizer, init_dist
 
     cfg = load_config(None, ["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.n_positions=1024",
                              "model.tokenizer=gpt2", "data.seq_len=64", f"out_dir={out_dir}"])
@@ -69,7 +69,7 @@ def worker(out_dir: str, mode: str) -> None:
                                       "rss_growth_during_save_gb_rank0": round(save_peak, 2),
                                       "peak_rss_gb_rank0": round(rss_gb(), 2), "checkpoint_gb": round(size / 1e9, 2)}),
               flush=True)
-    from shardlm.dist import shutdown
+    from shardlm.distributed.process_group import shutdown
 
     shutdown(0)
 

@@ -145,7 +145,7 @@ def build_trainer(size: str, tokenizer: str, z: Sizes, compile_: str = "false"):
     from mfu import overrides, parse_args
 
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.training.trainer import Trainer
 
     extra = [f"parallel.compile={compile_}", f"model.tokenizer={tokenizer}", f"out_dir={scratch('run')}"]
     args = parse_args(["--seq", str(z.seq), "--batch", str(z.batch), "--precision", z.precision,
@@ -295,8 +295,8 @@ def stage_resume(z: Sizes) -> dict:
 
 
 def stage_estimate_tune(z: Sizes) -> dict:
-    from shardlm.estimate import estimate
-    from shardlm.metrics import measure_step_peak
+    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.preflight.estimate import estimate
 
     cfg, trainer = build_trainer(z.estimate, "gpt2", z)
     trainer.train_step()  # the optimizer state exists from here on

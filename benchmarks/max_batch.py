@@ -11,7 +11,7 @@ as not fitting. On CPU it is measured the same way for both sides: large blocks 
 kernel's peak-RSS counter is reset before the step, and its growth is added to the bytes resident before
 the step (parameters + optimizer state). Each trial runs in a fresh process.
 
-Search (shardlm.tune.largest_fit), from `--start` (s) up to `--max-batch`: once two batches fit, the next
+Search (shardlm.preflight.tune.largest_fit), from `--start` (s) up to `--max-batch`: once two batches fit, the next
 trial is where the straight line through their peaks meets the budget (peak memory grows linearly with the
 batch): s, 2s, the line's answer and one more settle it when memory is linear, instead of ~2 log2(max) trials.
 Doubling, then bisection, where there is no line yet or a batch that did not fit contradicts it.
@@ -40,8 +40,8 @@ def model_dims(args) -> dict:
 
 def trial_shardlm(args) -> int:
     from shardlm.config import load_config
-    from shardlm.metrics import measure_step_peak
-    from shardlm.trainer import Trainer
+    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.training.trainer import Trainer
     from vs_hf_trainer import shardlm_overrides
 
     s = {"model": model_dims(args), "seq": args.seq, "batch": args.batch, "precision": args.precision, "steps": 2}
@@ -55,7 +55,7 @@ def trial_hf(args) -> int:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from shardlm.metrics import StepPeak
+    from shardlm.observe.metrics import StepPeak
 
     torch.manual_seed(0)
     config = GPT2Config(n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
@@ -109,8 +109,8 @@ def fits(side: str, batch: int, args) -> tuple[bool, float]:
 
 def search(side: str, args) -> dict:
     """Largest batch <= args.max_batch that fits (0: not even 1), with the peak of every trial
-    (shardlm.tune.largest_fit: doubling, then the line through the peaks, then bisection)."""
-    from shardlm.tune import largest_fit
+    (shardlm.preflight.tune.largest_fit: doubling, then the line through the peaks, then bisection)."""
+    from shardlm.preflight.tune import largest_fit
 
     lo, trials = largest_fit(lambda batch: fits(side, batch, args), args.max_batch, args.start, args.budget_gb)
     return {"max_batch": lo, "capped": lo == args.max_batch, "trials": len(trials),

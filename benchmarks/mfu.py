@@ -58,7 +58,7 @@ def measure(size: str, args) -> dict:
     import torch
 
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.training.trainer import Trainer
 
     on_gpu = torch.cuda.is_available()
     trainer = Trainer.from_config(load_config(None, overrides(size, args)))
@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     import torch
 
-    from shardlm.dist import shutdown
+    from shardlm.distributed.process_group import shutdown
 
     args = parse_args()
     cap_memory(args.cap_gb)

@@ -41,7 +41,7 @@ def settings(args) -> dict:
 def peak_memory_gb() -> float:
     import torch
 
-    from shardlm.metrics import peak_memory_bytes
+    from shardlm.observe.metrics import peak_memory_bytes
 
     return peak_memory_bytes(torch.device("cuda" if torch.cuda.is_available() else "cpu")) / 2**30
 
@@ -61,7 +61,7 @@ def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
 
 def run_shardlm(s: dict, data: str, extra: list[str]) -> dict:
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.training.trainer import Trainer
 
     trainer = Trainer.from_config(load_config(None, shardlm_overrides(s, data, extra)))
     times, loss = [], None
@@ -97,8 +97,8 @@ def run_hf(s: dict, data: str) -> dict:
 
     from shardlm.config import load_config
     from shardlm.data import GlobalSampler, prepare_data
-    from shardlm.dist import Dist, LaunchInfo
-    from shardlm.model import padded_vocab
+    from shardlm.distributed.process_group import Dist, LaunchInfo
+    from shardlm.models.causal_lm import padded_vocab
     from shardlm.tokenizer import load_tokenizer
 
     cfg = load_config(None, shardlm_overrides(s, data, []))
@@ -196,7 +196,7 @@ def main() -> None:
         result = run_shardlm(s, args.data, args.extra) if args.side == "shardlm" else run_hf(s, args.data)
         if result["rank"] == 0:
             print("RESULT " + json.dumps(result), flush=True)
-        from shardlm.dist import shutdown
+        from shardlm.distributed.process_group import shutdown
 
         shutdown(0)
         return

@@ -3,7 +3,7 @@
 A callback is any object with some of the methods of `Callback` below; the Trainer calls each event on every
 callback, in the order given, on every rank. Why this shape: the loop stays the same for everyone, and what
 used to be special cases inside it (the test suite's injected faults, for one) is a callback like any other
-(tests/faults.py). Events (`trainer` is the `shardlm.trainer.Trainer`; read `trainer.step`, `trainer.run`, ...):
+(tests/faults.py). Events (`trainer` is the Trainer; read `trainer.step`, `trainer.run`, ...):
 
     on_train_begin(trainer)                       before the first step of this invocation
     on_step_end(trainer, result)                  after each optimizer step; result: StepResult
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from shardlm import ShardlmError
 
 if TYPE_CHECKING:
-    from shardlm.trainer import StepResult, Trainer
+    from shardlm.training.trainer import StepResult, Trainer
 
 EVENTS = ("on_train_begin", "on_step_end", "on_evaluate", "on_checkpoint_saved", "on_train_end")
 
@@ -109,8 +109,8 @@ class GenerationQuality(Callback):
             self.measure(trainer)
 
     def measure(self, trainer: Trainer) -> None:
-        from shardlm.generate import gather_hf_model
-        from shardlm.genquality import generation_quality, record_fields
+        from shardlm.inference.generate import gather_hf_model
+        from shardlm.inference.genquality import generation_quality, record_fields
 
         run = trainer.run
         hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)

@@ -34,7 +34,7 @@ def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> 
     path = runs[0]
     is_checkpoint = (path / "manifest.json").is_file() and path.parent.name == "checkpoints"
     if must_resume and not is_checkpoint:
-        from shardlm.checkpoint import resolve_checkpoint
+        from shardlm.checkpoint.checkpointer import resolve_checkpoint
 
         resolve_checkpoint(path, log=lambda _: None)  # none complete: say so before anything starts
     # a run dir resumes its newest checkpoint (auto), whatever the saved config named
@@ -53,13 +53,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     callbacks = [load(spec) for spec in args.callback]  # a bad one fails here, before any process starts
     if args.dry_run:
-        from shardlm.dist import detect_launch
-        from shardlm.dryrun import dry_run
+        from shardlm.distributed.process_group import detect_launch
+        from shardlm.preflight.dryrun import dry_run
 
         print(dry_run(cfg, args.nproc or detect_launch(launcher=cfg.parallel.launcher).world_size))
         return 0
     if args.nproc and "TORCHELASTIC_RUN_ID" not in os.environ:
-        from shardlm.launch import launch
+        from shardlm.distributed.launch import launch
 
         forwarded = [f"--callback={spec}" for spec in args.callback]  # each rank loads its own
         return launch(args.nproc, args.max_restarts, [*forwarded, *config, *overrides], args.debug)
@@ -70,7 +70,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from shardlm.evaluate import GenOptions, evaluate_path
+    from shardlm.inference.evaluate import GenOptions, evaluate_path
 
     gen = GenOptions(args.generation, args.featurizer, args.temperature, args.top_p, args.seed)
     evaluate_path(args.path, args.overrides, stride=args.stride, gen=gen)
@@ -78,21 +78,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from shardlm.generate import generate_command
+    from shardlm.inference.generate import generate_command
 
     return generate_command(args.path, args.prompt, args.prompt_file, args.max_new_tokens, args.temperature,
                             args.top_k, args.top_p, args.seed, args.num_samples, args.batch_size, args.json)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from shardlm.env import collect, render
+    from shardlm.preflight.env import collect, render
 
     print(render(collect(), as_json=args.json))
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from shardlm.export import export
+    from shardlm.inference.export import export
 
     if args.private and not args.push_to_hub:
         raise ShardlmError("--private applies to --push-to-hub REPO_ID; give both, or neither.")
@@ -117,7 +117,7 @@ def cmd_configs(_args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from shardlm.plot import plot_runs
+    from shardlm.observe.plot import plot_runs
 
     for path in plot_runs(args.runs, args.out):
         print(path)
@@ -126,7 +126,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
-    from shardlm.estimate import describe
+    from shardlm.preflight.estimate import describe
     from shardlm.tokenizer import model_tokenizer
 
     config, overrides = _split_config(args.rest)
@@ -137,8 +137,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
-    from shardlm.dist import detect_launch
-    from shardlm.tune import report, tune
+    from shardlm.distributed.process_group import detect_launch
+    from shardlm.preflight.tune import report, tune
 
     config, overrides = _split_config(args.rest)
     cfg = load_config(config, overrides)
@@ -150,7 +150,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
-    from shardlm.prepare import prepare_command
+    from shardlm.data.prepare import prepare_command
 
     config, overrides = _split_config(args.rest)
     return prepare_command(load_config(config, overrides))
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _exit(code: int) -> None:
-    from shardlm.dist import shutdown
+    from shardlm.distributed.process_group import shutdown
 
     shutdown(code)
     sys.exit(code)

@@ -509,7 +509,7 @@ def _check_mixture(cfg: Config) -> None:
 
 
 def _check_lora(cfg: Config) -> None:
-    """LoRA settings; QLoRA's need for CUDA is checked with the device (shardlm.lora.check)."""
+    """LoRA settings; QLoRA's need for CUDA is checked with the device (shardlm.models.lora.check)."""
     lora = cfg.lora
     _positive("lora.r", lora.r, allow_zero=True)
     if lora.quantize not in (None, "nf4"):

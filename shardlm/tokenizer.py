@@ -78,7 +78,7 @@ def model_tokenizer(model: ModelConfig):
     """The run's tokenizer. Unset, a pretrained model's own: training a BPE model on other ids would run
     without complaint and learn nothing, so the default is never a different tokenizer. A mistyped model
     path is reported as such first, not as a tokenizer that cannot be loaded."""
-    from shardlm.model import check_model_path
+    from shardlm.models.causal_lm import check_model_path
 
     if model.name is not None:
         check_model_path(model.name)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import yaml
 
-from shardlm import tracking
-from shardlm.build import Run, build
 from shardlm.callbacks import GenerationQuality
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
-from shardlm.generate import gather_hf_model, generate_text
-from shardlm.trainer import Trainer
+from shardlm.inference.generate import gather_hf_model, generate_text
+from shardlm.observe import tracking
+from shardlm.training.build import Run, build
+from shardlm.training.trainer import Trainer
 
 
 def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
@@ -43,7 +43,7 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
     run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}"
                    + (f"; checkpoints: {checkpoints})" if checkpoints.is_dir() else ")"))
     if cfg.checkpoint.export_final:
-        from shardlm.export import export
+        from shardlm.inference.export import export
 
         run.dist.barrier()
         if run.dist.is_main:
@@ -64,7 +64,7 @@ def generation_callback(run: Run) -> list[GenerationQuality]:
     t = run.cfg.train
     if not t.gen_every:
         return []
-    from shardlm.genquality import MODULES, held_out_prompts, require
+    from shardlm.inference.genquality import MODULES, held_out_prompts, require
 
     for module in MODULES:
         require(module)

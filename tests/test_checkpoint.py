@@ -15,7 +15,7 @@ from faults import fault
 
 from gpu_check import kill_tree
 from helpers import ROOT, python_cmd, records, shardlm_cli, tiny
-from shardlm.checkpoint import is_complete, list_checkpoints, newest_complete
+from shardlm.checkpoint.checkpointer import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12
 NO_DROPOUT = {"model.dropout": 0.0}
@@ -200,7 +200,7 @@ def test_ctrl_c_under_nproc_saves_and_exits_zero_with_one_line(corpus, cache_dir
 
 def test_resume_onto_changed_data_says_so(corpus, cache_dir, tmp_path, capsys):
     from shardlm.config import load_config
-    from shardlm.trainer import Trainer
+    from shardlm.training.trainer import Trainer
 
     trainer = Trainer.from_config(load_config(None, tiny(corpus, cache_dir, tmp_path)))
     state = trainer.state_dict()
@@ -213,7 +213,7 @@ def test_resume_onto_changed_data_says_so(corpus, cache_dir, tmp_path, capsys):
 def test_raising_max_steps_on_resume_keeps_the_learning_rate_continuous(corpus, cache_dir, tmp_path):
     """Extending a run (train.max_steps 10 -> 20 after a stop at step 5) continues the decay from the rate it had
     reached instead of stretching the cosine (the rate jumped back up); a later resume keeps the same curve."""
-    from shardlm.schedule import WarmupCosine
+    from shardlm.training.schedule import WarmupCosine
 
     def args(steps, *extra):
         return ["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": steps, "train.min_lr_ratio": 0.1}),

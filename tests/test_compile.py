@@ -6,7 +6,7 @@ import torch
 
 from helpers import fp32_tol, tiny
 from shardlm.config import load_config
-from shardlm.trainer import Trainer
+from shardlm.training.trainer import Trainer
 
 
 @pytest.mark.cuda
@@ -51,7 +51,7 @@ def test_whole_model_compiles_to_one_graph_with_eager_losses(corpus, cache_dir, 
 def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     """Traced, transformers builds a full (B, 1, T, T) mask (it cannot rule out packed sequences), which denies
     SDPA its causal flash kernels; shardlm's blocks get is_causal=True. A sliding window stays a real mask."""
-    from shardlm.model import empty_model, model_config
+    from shardlm.models.causal_lm import empty_model, model_config
     from shardlm.tokenizer import load_tokenizer
 
     def sdpa_calls(arch: str, attention: str = "auto", **config_overrides) -> list[dict]:
@@ -77,5 +77,5 @@ def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     assert stock["attn_mask"] is not None and stock["is_causal"] is False
     from transformers import AutoConfig
 
-    from shardlm.model import attention
+    from shardlm.models.causal_lm import attention
     assert attention(AutoConfig.for_model("falcon")) == "sdpa"  # untested families (Falcon branches on the name)

@@ -132,7 +132,7 @@ def test_saved_config_round_trips(tmp_path):
 def test_fsdp_false_cannot_hold_several_ranks():
     import torch
 
-    from shardlm.parallel import plan
+    from shardlm.distributed.parallelize import plan
 
     with pytest.raises(ShardlmError, match="parallel.fsdp=false cannot run 2 ranks"):
         plan(load_config(None, ["parallel.fsdp=false"]), 2, 2, torch.device("cpu"))

@@ -94,7 +94,7 @@ def test_bad_files_give_clear_errors(tmp_path, name, content, message):
 def test_corpus_shorter_than_one_block_names_the_data_and_the_fix(tmp_path):
     from shardlm.config import DataConfig
     from shardlm.data import prepare_data
-    from shardlm.dist import Dist, detect_launch
+    from shardlm.distributed.process_group import Dist, detect_launch
 
     (tmp_path / "a.txt").write_text("hi")
     cfg = DataConfig(train=str(tmp_path / "a.txt"), cache_dir=str(tmp_path / "cache"))
@@ -385,7 +385,7 @@ def test_count_tokens_writes_nothing_and_stops_once_there_are_enough(tmp_path, m
 def test_the_counting_loader_gives_prepare_data_the_runs_blocks(tmp_path):
     from shardlm.config import load_config
     from shardlm.data import counting_loader, prepare_data
-    from shardlm.dist import Dist, LaunchInfo
+    from shardlm.distributed.process_group import Dist, LaunchInfo
 
     (tmp_path / "a.txt").write_text("abc " * 1000)
     cfg = load_config(None, [f"data.train={tmp_path / 'a.txt'}", "data.seq_len=32",

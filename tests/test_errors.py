@@ -8,8 +8,8 @@ import torch
 from helpers import byte_gpt2_config, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.model import model_config
-from shardlm.parallel import plan
+from shardlm.distributed.parallelize import plan
+from shardlm.models.causal_lm import model_config
 from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 CPU = torch.device("cpu")
@@ -161,7 +161,7 @@ def test_failed_or_finished_commands_leave_a_run_folder_as_it_was(corpus, cache_
 
 
 def test_disk_full_while_saving_keeps_earlier_checkpoints(corpus, cache_dir, tmp_path, monkeypatch):
-    from shardlm import checkpoint as ckpt_mod
+    from shardlm.checkpoint.checkpointer import checkpointer as ckpt_mod
     from shardlm.train import train
 
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"checkpoint.every": 2, "train.max_steps": 6}))
@@ -190,7 +190,7 @@ def hf_folder(tmp_path):
 
 
 def test_export_never_replaces_a_file_or_a_foreign_folder(hf_folder, tmp_path):
-    from shardlm.export import export
+    from shardlm.inference.export import export
 
     (tmp_path / "notes.txt").write_text("precious")
     with pytest.raises(ShardlmError, match="is a file; give a folder"):
@@ -212,7 +212,7 @@ def test_export_never_replaces_a_file_or_a_foreign_folder(hf_folder, tmp_path):
 
 
 def test_eval_of_an_export_needs_data(hf_folder):
-    from shardlm.evaluate import evaluate_path
+    from shardlm.inference.evaluate import evaluate_path
 
     with pytest.raises(ShardlmError, match="carries no data settings: pass data.val=PATH"):
         evaluate_path(str(hf_folder), [])
@@ -226,8 +226,8 @@ def test_eval_of_an_export_needs_data(hf_folder):
 def test_push_to_hub_offline_or_without_token(hf_folder, tmp_path, monkeypatch, env, message):
     from huggingface_hub import constants
 
-    from shardlm.export import export
     from shardlm.hub import push_folder
+    from shardlm.inference.export import export
 
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no `hf auth login` token
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
@@ -242,7 +242,7 @@ def test_push_to_hub_offline_or_without_token(hf_folder, tmp_path, monkeypatch, 
 def test_generation_options_are_checked_before_loading(tmp_path, monkeypatch):
     import sys
 
-    from shardlm.evaluate import GenOptions, evaluate_path
+    from shardlm.inference.evaluate import GenOptions, evaluate_path
 
     missing = str(tmp_path / "no-run")
     with pytest.raises(ShardlmError, match="--generation must be >= 0"):
@@ -260,7 +260,7 @@ def test_generation_options_are_checked_before_loading(tmp_path, monkeypatch):
 
 def test_generation_without_validation_data(hf_folder, tmp_path):
     pytest.importorskip("mauve")
-    from shardlm.evaluate import GenOptions, evaluate_path
+    from shardlm.inference.evaluate import GenOptions, evaluate_path
 
     with pytest.raises(ShardlmError, match="carries no data settings: pass data.val=PATH"):
         evaluate_path(str(hf_folder), [], gen=GenOptions(n=4))
@@ -320,7 +320,7 @@ def test_parquet_without_the_text_column_lists_its_columns(tmp_path):
         _data_error(tmp_path / "a.parquet", tmp_path)
     assert "column 'id' holds int64, not text" in _data_error(tmp_path / "a.parquet", tmp_path, text_field="id")
     from shardlm.config import load_config
-    from shardlm.dryrun import dry_run
+    from shardlm.preflight.dryrun import dry_run
 
     with pytest.raises(ShardlmError, match="has no 'text' column"):  # `train --dry-run` reads the first records
         dry_run(load_config(None, [f"data.train={tmp_path / 'a.parquet'}", "model.tokenizer=bytes"]), 1)
@@ -411,7 +411,7 @@ def test_bad_mixture_weights_fail_in_one_line(overrides, message):
 
 def test_a_mixture_source_too_short_for_one_block_is_named(tmp_path):
     from shardlm.data import prepare_data
-    from shardlm.dist import Dist, LaunchInfo
+    from shardlm.distributed.process_group import Dist, LaunchInfo
 
     (tmp_path / "a.txt").write_text("plenty of text here. " * 40)
     (tmp_path / "b.txt").write_text("too short")
@@ -439,7 +439,7 @@ def test_a_mistyped_model_path_is_named_before_the_tokenizer(tmp_path):
 
 
 def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
-    from shardlm.model import check_model_path
+    from shardlm.models.causal_lm import check_model_path
     from shardlm.tokenizer import model_tokenizer
 
     byte_gpt2_config().save_pretrained(tmp_path / "m")
@@ -454,7 +454,7 @@ def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
 
 
 def test_a_gpu_config_on_a_cpu_warns_once_with_what_to_change(corpus, cache_dir, tmp_path):
-    from shardlm.parallel import gpu_config_warning
+    from shardlm.distributed.parallelize import gpu_config_warning
 
     warning = gpu_config_warning(load_config("gpt2_wikitext2"), CPU)
     assert warning.startswith("warning: this config was written for a GPU (parallel.precision=bf16) and runs on a "
@@ -485,7 +485,7 @@ def test_dry_run_fails_where_the_run_fails_validation_shorter_than_a_block(tmp_p
     ({"out_dir": "file/run"}, "cannot create out_dir 'file/run': '.*file' is a file"),
 ])
 def test_dry_run_makes_the_checks_of_build(corpus, cache_dir, tmp_path, monkeypatch, extra, message):
-    from shardlm.dryrun import dry_run
+    from shardlm.preflight.dryrun import dry_run
 
     if "train.gen_every" in extra:
         pytest.importorskip("mauve")

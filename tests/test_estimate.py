@@ -6,10 +6,10 @@ import torch
 
 from helpers import fp32_tol, on_cuda, tiny
 from shardlm.config import load_config
-from shardlm.estimate import estimate
-from shardlm.loss import linear_cross_entropy
-from shardlm.metrics import measure_step_peak
-from shardlm.trainer import Trainer
+from shardlm.models.loss import linear_cross_entropy
+from shardlm.observe.metrics import measure_step_peak
+from shardlm.preflight.estimate import estimate
+from shardlm.training.trainer import Trainer
 
 GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256, "model.n_head": 4,
               "model.n_positions": 128, "data.seq_len": 128, "train.batch_size": 4}

@@ -19,8 +19,8 @@ import torch
 from helpers import ROOT, python_cmd, save_hf_folder, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.generate import generate_from_path
-from shardlm.model import TESTED_FAMILIES, CausalLM, empty_model, model_config
+from shardlm.inference.generate import generate_from_path
+from shardlm.models.causal_lm import TESTED_FAMILIES, CausalLM, empty_model, model_config
 from shardlm.tokenizer import byte_tokenizer
 
 SMALL = {"model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
@@ -65,7 +65,7 @@ def test_fsdp_equals_one_process_resumes_exactly_and_exports_for_every_family(fo
     and greedy text equals `shardlm generate`'s."""
     from transformers import AutoConfig, pipeline
 
-    from shardlm.export import export
+    from shardlm.inference.export import export
 
     overrides = [a for a in tiny(corpus, cache_dir, tmp_path) if a.split("=")[0] not in
                  {"model.n_layer", "model.n_embd", "model.n_head", "model.n_positions", "out_dir"}]

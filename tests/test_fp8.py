@@ -12,7 +12,9 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.fp8 import (
+from shardlm.distributed.parallelize import compile_mode
+from shardlm.models.causal_lm import CausalLM, transformer_blocks
+from shardlm.models.fp8 import (
     _torchao_float8,
     after_optimizer_step,
     check_float8,
@@ -21,8 +23,6 @@ from shardlm.fp8 import (
     is_float8,
     plain_state_dict,
 )
-from shardlm.model import CausalLM, transformer_blocks
-from shardlm.parallel import compile_mode
 
 GPT2_LAYERS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 # the tests that convert need torchao; the error tests run without it

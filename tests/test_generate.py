@@ -10,7 +10,7 @@ import torch
 from helpers import byte_gpt2_config
 from shardlm import ShardlmError
 from shardlm.cli import cmd_env, cmd_generate, parse_args
-from shardlm.generate import (
+from shardlm.inference.generate import (
     DOCUMENT_END,
     generate_batch,
     generate_tokens,

@@ -8,7 +8,7 @@ import torch
 
 from helpers import byte_gpt2_config
 from shardlm import ShardlmError
-from shardlm.genquality import (
+from shardlm.inference.genquality import (
     distinct_n,
     generation_quality,
     held_out_prompts,
@@ -84,8 +84,8 @@ def test_eval_generation_prints_json_and_appends_to_the_run(tmp_path, capsys):
     from transformers import GPT2LMHeadModel
 
     from shardlm.cli import cmd_eval, parse_args
-    from shardlm.evaluate import log_generation
-    from shardlm.plot import plot_runs
+    from shardlm.inference.evaluate import log_generation
+    from shardlm.observe.plot import plot_runs
 
     torch.manual_seed(0)
     GPT2LMHeadModel(byte_gpt2_config(n_positions=32, n_embd=16, n_head=2)).save_pretrained(tmp_path / "hf")

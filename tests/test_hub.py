@@ -8,7 +8,7 @@ import torch
 from helpers import byte_gpt2_config
 from shardlm.cli import main
 from shardlm.config import load_config
-from shardlm.export import run_facts, write_card
+from shardlm.inference.export import run_facts, write_card
 from shardlm.tokenizer import byte_tokenizer
 
 
@@ -68,7 +68,7 @@ def test_push_to_hub_unreachable_is_one_line_and_keeps_the_export(hf_folder, tmp
 
 def test_the_card_names_a_mixture_with_its_weights():
     from shardlm.config import load_config
-    from shardlm.export import _data
+    from shardlm.inference.export import _data
 
     mix = load_config(overrides=["data.train=[a.txt,b.parquet]", "data.weights=[0.7,0.3]"]).data
     assert _data(mix) == "a mixture of a.txt (0.7), b.parquet (0.3)"

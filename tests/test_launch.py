@@ -3,7 +3,7 @@
 import pytest
 
 from shardlm import ShardlmError
-from shardlm.dist import detect_launch, expand_nodelist
+from shardlm.distributed.process_group import detect_launch, expand_nodelist
 
 
 def test_nothing_set_is_single():
@@ -61,14 +61,14 @@ def test_forced_launcher_overrides_detection():
 
 
 def test_launch_rank_reads_the_launchers_variable_without_resolving_the_launch():
-    from shardlm.dist import launch_rank
+    from shardlm.distributed.process_group import launch_rank
 
     assert launch_rank({}) == 0 and launch_rank({"RANK": "3"}) == 3 and launch_rank({"SLURM_PROCID": "1"}) == 1
     assert launch_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2 and launch_rank({"PMI_RANK": "5"}) == 5
 
 
 def test_more_cpu_ranks_than_cores_is_a_warning():
-    from shardlm.launch import oversubscription_warning
+    from shardlm.distributed.launch import oversubscription_warning
 
     def never():
         raise AssertionError("the device is only asked about when the ranks outnumber the cores")
@@ -81,8 +81,8 @@ def test_more_cpu_ranks_than_cores_is_a_warning():
 
 
 def test_nproc_above_the_cores_warns_before_launching(monkeypatch, capfd, tmp_path):
-    from shardlm import launch
     from shardlm.cli import main
+    from shardlm.distributed import launch
 
     monkeypatch.setattr(launch, "cpu_cores", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")

@@ -107,7 +107,7 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, ca
 
     from shardlm.config import load_config
     from shardlm.train import train
-    from shardlm.trainer import Trainer
+    from shardlm.training.trainer import Trainer
 
     folders, digests = bases
     reference = by_step(runs["llama"])
@@ -164,11 +164,11 @@ def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_p
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
-    from shardlm.evaluate import evaluate_path
-    from shardlm.export import export
-    from shardlm.generate import generate_from_path
-    from shardlm.load import load_for_inference
-    from shardlm.lora import inference_state
+    from shardlm.inference.evaluate import evaluate_path
+    from shardlm.inference.export import export
+    from shardlm.inference.generate import generate_from_path
+    from shardlm.inference.load import load_for_inference
+    from shardlm.models.lora import inference_state
 
     folders, digests = bases
     run = runs[family]
@@ -198,7 +198,7 @@ def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_p
 
     # the tensor-level merge (used on gathered training weights) == PEFT's merge_and_unload
     from shardlm.config import config_from_dict
-    from shardlm.load import load_lora_checkpoint, resolve_checkpoint
+    from shardlm.inference.load import load_lora_checkpoint, resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
     import yaml
@@ -220,7 +220,7 @@ def test_base_identity_hashes_every_weight_byte_and_rereads_only_changed_files(t
 
     from safetensors.torch import save_file
 
-    from shardlm import lora
+    from shardlm.models import lora
 
     save_file({"w": torch.zeros(1_000_000)}, str(tmp_path / "model.safetensors"))  # 4 MB: 16 x 64 KiB samples miss most
     first = lora.base_identity(str(tmp_path))
@@ -239,7 +239,7 @@ def test_base_identity_hashes_every_weight_byte_and_rereads_only_changed_files(t
 @pytest.mark.parametrize("case", ["targets", "head", "scratch", "adapter_of_full_run", "other_base", "alpha",
                                   "nf4_on_cpu"])
 def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path):
-    from shardlm.export import export
+    from shardlm.inference.export import export
 
     folders, _ = bases
     if case == "targets":
@@ -271,7 +271,7 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
             train_in_process(args)
     if case in ("targets", "head", "other_base", "alpha"):  # `train --dry-run` makes the same checks
         from shardlm.config import load_config
-        from shardlm.dryrun import dry_run
+        from shardlm.preflight.dryrun import dry_run
 
         with pytest.raises(ShardlmError, match=expect):
             dry_run(load_config(None, args), 1)
@@ -286,10 +286,10 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, ru
     (dequantized, merged, GPT-2's Conv1D layout restored) give the QLoRA model's own loss, a stopped run
     resumes bit for bit, and the export is a plain model."""
     bnb = bnb_portable_cpu_path
-    from shardlm import lora
     from shardlm.config import load_config
-    from shardlm.generate import gather_hf_model
-    from shardlm.trainer import Trainer
+    from shardlm.inference.generate import gather_hf_model
+    from shardlm.models import lora
+    from shardlm.training.trainer import Trainer
 
     monkeypatch.setattr(lora, "check", lambda *args, **kwargs: None)
     folders, _ = bases
@@ -312,7 +312,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, ru
     assert plain.item() == pytest.approx(own.item(), rel=1e-4)
 
     # a QLoRA checkpoint resumes bit for bit and exports merged into the full-precision base
-    from shardlm.export import export
+    from shardlm.inference.export import export
     from shardlm.train import train
 
     qlora = {"lora.quantize": "nf4", "train.max_steps": 4, "checkpoint.every": 0}
@@ -349,8 +349,8 @@ def test_qlora_on_cuda_trains_and_exports(bases, corpus, cache_dir, tmp_path):
 def test_qlora_refusals_on_cuda_need_no_gpu(bases, monkeypatch):
     import importlib.util
 
-    from shardlm import lora
     from shardlm.config import load_config
+    from shardlm.models import lora
 
     pytest.importorskip("bitsandbytes")
     folders, _ = bases
@@ -372,10 +372,10 @@ def test_qlora_estimate_counts_what_bitsandbytes_holds(tmp_path, monkeypatch):
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardlm import lora
     from shardlm.config import load_config
-    from shardlm.estimate import estimate
-    from shardlm.model import model_config
+    from shardlm.models import lora
+    from shardlm.models.causal_lm import model_config
+    from shardlm.preflight.estimate import estimate
     from shardlm.tokenizer import model_tokenizer
 
     base = save_hf_folder(LlamaForCausalLM(LlamaConfig(

@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import byte_gpt2_config
-from shardlm.loss import linear_cross_entropy
+from shardlm.models.loss import linear_cross_entropy
 
 N, D, V = 40, 16, 300
 
@@ -129,7 +129,7 @@ def hf_model(tmp_path):
 
 @pytest.mark.parametrize("stride", [None, 8])
 def test_eval_reports_progress_on_stderr_and_one_json_line(hf_model, tmp_path, capsys, stride):
-    from shardlm.evaluate import evaluate_path
+    from shardlm.inference.evaluate import evaluate_path
 
     val = tmp_path / "val.txt"
     val.write_text("ROMEO: But soft, what light through yonder window breaks?\n" * 3)
@@ -148,7 +148,7 @@ def test_eval_reports_progress_on_stderr_and_one_json_line(hf_model, tmp_path, c
 @pytest.mark.parametrize("stride", [0, 33])
 def test_eval_refuses_a_stride_that_skips_tokens(hf_model, stride):
     from shardlm import ShardlmError
-    from shardlm.evaluate import evaluate_path
+    from shardlm.inference.evaluate import evaluate_path
 
     with pytest.raises(ShardlmError, match=rf"--stride {stride}: give 1\.\.32"):
         evaluate_path(str(hf_model), ["data.val=unused.txt"], stride=stride)
@@ -158,9 +158,9 @@ def test_padded_vocabulary_trains_the_same_loss_and_never_generates_a_padding_id
     """model.vocab_multiple=64: 257 byte ids -> 320 rows; shardlm's loss is the model's own labels loss, and
     generation (hot enough to reach every id) never emits one of the 63 padding ids."""
     from helpers import tiny
-    from shardlm.build import build
     from shardlm.config import load_config
-    from shardlm.generate import generate_batch
+    from shardlm.inference.generate import generate_batch
+    from shardlm.training.build import build
 
     run = build(load_config(None, tiny(corpus, cache_dir, tmp_path, **{"model.vocab_multiple": 64})))
     hf = run.model.hf

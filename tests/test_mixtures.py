@@ -58,7 +58,7 @@ def test_quotas_and_blocks():
 
 
 def test_a_mixture_run_reports_tokens_per_source(tmp_path, cache_dir):
-    from shardlm.trainer import Trainer
+    from shardlm.training.trainer import Trainer
 
     (tmp_path / "a.txt").write_text("to be or not to be, that is the question. " * 60)
     (tmp_path / "b.txt").write_text("the quick brown fox jumps over the lazy dog. " * 120)
@@ -77,7 +77,7 @@ def test_a_mixture_run_reports_tokens_per_source(tmp_path, cache_dir):
     assert train[-1]["tokens_by_source"][0] > 2 * train[-1]["tokens_by_source"][1]  # weights 3:1
     import torch
 
-    from shardlm.evaluate import _evaluate, _validation_tails  # `shardlm eval` scores the blocks training did
+    from shardlm.inference.evaluate import _evaluate, _validation_tails  # `shardlm eval` scores the blocks training did
 
     hf = trainer.run.model.hf.eval()
     tails = _validation_tails(cfg, trainer.run.tokenizer, torch.device("cpu"), exported=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from shardlm import ShardlmError
-from shardlm.plot import PANELS, draw, load_runs, plot_runs
+from shardlm.observe.plot import PANELS, draw, load_runs, plot_runs
 
 PANEL = {p.file: p for p in PANELS}
 

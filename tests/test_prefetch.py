@@ -4,7 +4,7 @@ import pytest
 
 from helpers import tiny
 from shardlm.config import load_config
-from shardlm.trainer import Trainer
+from shardlm.training.trainer import Trainer
 
 
 def test_prefetched_batches_equal_direct_ones(corpus, cache_dir, tmp_path):

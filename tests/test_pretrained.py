@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import byte_gpt2_config, records, shardlm_cli, tiny
-from shardlm.checkpoint import is_complete, list_checkpoints
+from shardlm.checkpoint.checkpointer import is_complete, list_checkpoints
 from shardlm.data import GlobalSampler
 from shardlm.tokenizer import byte_tokenizer
 
@@ -33,7 +33,7 @@ def test_pretrained_weights_reach_every_shard(pretrained, corpus, cache_dir, tmp
     # the same first global batch, scored by the pretrained model itself
     from shardlm.config import load_config
     from shardlm.data import prepare_data
-    from shardlm.dist import Dist, LaunchInfo
+    from shardlm.distributed.process_group import Dist, LaunchInfo
 
     cfg = load_config(None, args)
     train, _ = prepare_data(cfg.data, byte_tokenizer(), Dist(LaunchInfo("single"), torch.device("cpu")))

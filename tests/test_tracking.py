@@ -11,7 +11,7 @@ import pytest
 from helpers import shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.metrics import MetricsLog
+from shardlm.observe.metrics import MetricsLog
 
 
 def test_wandb_offline_and_mlflow_get_metrics_params_summary_and_resume(corpus, cache_dir, tmp_path, monkeypatch):
@@ -67,7 +67,7 @@ def test_a_crashed_run_is_marked_failed_in_mlflow(tmp_path, monkeypatch):
 
     from mlflow.tracking import MlflowClient
 
-    from shardlm.tracking import MlflowTracker, abandon_open
+    from shardlm.observe.tracking import MlflowTracker, abandon_open
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     cfg = load_config(overrides=["log.mlflow=true", f"out_dir={tmp_path}"])

@@ -8,7 +8,7 @@ import torch
 
 from helpers import ROOT, fp32_tol, python_cmd, records, shardlm_cli, tiny
 from shardlm.config import load_config
-from shardlm.trainer import Trainer
+from shardlm.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

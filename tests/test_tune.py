@@ -6,11 +6,11 @@ import re
 import pytest
 import yaml
 
-import shardlm.tune
+import shardlm.preflight.tune
 from helpers import shardlm_cli, tiny
-from shardlm.build import count_steps
 from shardlm.config import load_config, save_config
-from shardlm.tune import report, tune
+from shardlm.preflight.tune import report, tune
+from shardlm.training.build import count_steps
 
 ROW = re.compile(r"^full\s+(\w+)\s+(\d+)\s+\S+\s+\S+\s+(>=\d+ \(cap\)|\d+)\s+(\d+) x (\d+)\s")
 
@@ -64,7 +64,7 @@ def test_search_stays_within_the_per_rank_batch(corpus, cache_dir, tmp_path, mon
         ok = t.batch_size <= (8 if t.loss_chunk_size else 5)
         return ok, t.batch_size / 100, 1000.0 * t.batch_size * ok
 
-    monkeypatch.setattr(shardlm.tune, "run_trial", fake_trial)
+    monkeypatch.setattr(shardlm.preflight.tune, "run_trial", fake_trial)
     cfg = load_config([], tiny(corpus, cache_dir, tmp_path / "run", **{"train.batch_size": 12}))
     table = report(tune(cfg, 1.0, 1, max_batch), tmp_path / "tuned.yaml")
     assert max(batch for batch, _ in tried) == min(max_batch, 12)  # never above the per-rank batch

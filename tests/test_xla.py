@@ -100,7 +100,7 @@ def test_a_hybrid_group_that_does_not_divide_the_devices_is_one_line(corpus, cac
 def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
     """Importing torch_xla sets PJRT_DEVICE=CPU where it is unset (transformers imports it to probe for it):
     that must not move `parallel.device=auto` runs onto XLA:CPU."""
-    from shardlm import xla
+    from shardlm.distributed import xla
 
     monkeypatch.setenv("PJRT_DEVICE", "CPU")
     assert not xla.wanted("auto") and xla.wanted("xla")

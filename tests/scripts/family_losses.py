@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from shardlm.build import build
 from shardlm.config import load_config
-from shardlm.dist import shutdown
-from shardlm.trainer import Trainer
+from shardlm.distributed.process_group import shutdown
+from shardlm.training.build import build
+from shardlm.training.trainer import Trainer
 
 tag, resume = sys.argv[1], "--resume" in sys.argv
 split = sys.argv.index("--")

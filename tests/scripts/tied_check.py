@@ -10,8 +10,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardlm.config import load_config
-from shardlm.dist import shutdown
-from shardlm.trainer import Trainer
+from shardlm.distributed.process_group import shutdown
+from shardlm.training.trainer import Trainer
 
 
 class DTensorOps(TorchDispatchMode):

@@ -21,7 +21,7 @@ PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 9
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type == "xla":
-        from shardlm.xla import peak_flops_per_device
+        from shardlm.distributed.xla import peak_flops_per_device
 
         return peak_flops_per_device()
     if device.type != "cuda":
@@ -37,7 +37,7 @@ def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> f
 
 def eval_summary(loss_sum: float, correct: float, tokens: float) -> dict[str, float]:
     """Loss per token, perplexity, accuracy and the token count from sums over the scored tokens: the one summary
-    of both evaluations (Trainer.evaluate during training, `shardlm eval` in shardlm.evaluate)."""
+    of both evaluations (Trainer.evaluate during training, `shardlm eval` in shardlm.inference.evaluate)."""
     if tokens == 0:
         raise ShardlmError("nothing to evaluate: the validation data is shorter than one block.")
     loss = float(loss_sum) / float(tokens)
@@ -49,7 +49,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     if device.type == "xla":
-        from shardlm.xla import peak_memory_bytes as xla_peak
+        from shardlm.distributed.xla import peak_memory_bytes as xla_peak
 
         peak = xla_peak(device)
         if peak is not None:
@@ -77,13 +77,13 @@ def gpu_utilization(device: torch.device) -> dict[str, float]:
 
 class MetricsLog:
     """`metrics.jsonl` (one flushed line per record, so it can be tailed), TensorBoard and, given `cfg` with
-    log.wandb / log.mlflow on, those trackers (shardlm.tracking); `trackers` passes started ones instead."""
+    log.wandb / log.mlflow on, those trackers (shardlm.observe.tracking); `trackers` passes started ones instead."""
 
     def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool, trackers: list | None = None,
                  cfg=None):
         self.enabled = enabled
         if cfg is not None:
-            from shardlm import tracking
+            from shardlm.observe import tracking
 
             tracking.require(cfg.log)  # on every rank, so all of them stop with the same one-line error
         if enabled:
@@ -96,7 +96,7 @@ class MetricsLog:
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
         self.trackers = list(trackers or [])
         if enabled and cfg is not None and trackers is None:
-            from shardlm import tracking
+            from shardlm.observe import tracking
 
             self.trackers = tracking.start(cfg, out_dir)
         self.last_val: dict | None = None

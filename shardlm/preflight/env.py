@@ -67,7 +67,7 @@ def collect() -> dict:
 
     import shardlm
     from shardlm.data.cache import cache_root
-    from shardlm.dist import detect_launch
+    from shardlm.distributed.process_group import detect_launch
 
     try:
         launch = detect_launch()

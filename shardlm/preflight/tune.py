@@ -91,8 +91,8 @@ def _free() -> None:
 
 def run_trial(cfg: Config, steps: int, budget: float | None) -> tuple[bool, float, float]:
     """(fits, peak GiB, tokens/s) for one config; out-of-memory counts as not fitting."""
-    from shardlm.metrics import measure_step_peak
-    from shardlm.trainer import Trainer
+    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.training.trainer import Trainer
 
     trainer = None
     try:
@@ -180,7 +180,7 @@ def search(cfg: Config, setting: dict, budget: float | None, steps: int, max_bat
 
 
 def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 256) -> list[Point]:
-    from shardlm.dist import detect_launch
+    from shardlm.distributed.process_group import detect_launch
 
     on_gpu = torch.cuda.is_available() and cfg.parallel.device != "cpu"
     if budget_gb is None and not on_gpu:

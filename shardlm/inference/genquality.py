@@ -122,7 +122,7 @@ def last_hidden_features(model, sequences: list[list[int]], batch_size: int = 16
     never sees the padding after it. Sequences longer than the model's context keep their end."""
     import torch
 
-    from shardlm.model import context_length
+    from shardlm.models.causal_lm import context_length
 
     context = context_length(model.config) or max(map(len, sequences))
     device = next(model.parameters()).device
@@ -149,7 +149,7 @@ def sample_continuations(model, tokenizer, prompts: list[list[int]], max_new_tok
     """One sampled continuation per prompt (new token ids, a final EOS dropped), seeded once."""
     import torch
 
-    from shardlm.generate import generate_batch, pad_id
+    from shardlm.inference.generate import generate_batch, pad_id
 
     torch.manual_seed(seed)
     eos, out = tokenizer.eos_token_id, []
@@ -186,6 +186,6 @@ def generation_quality(model, tokenizer, tokens: np.ndarray, seq_len: int, n: in
 
 
 def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
-    from shardlm.generate import decode_sample
+    from shardlm.inference.generate import decode_sample
 
     return decode_sample(tokenizer, prompt, new)[1]

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shardlm import ShardlmError, lora
+from shardlm import ShardlmError
 from shardlm.config import Config
-from shardlm.dist import Dist
-from shardlm.model import transformer_blocks
+from shardlm.distributed.process_group import Dist
+from shardlm.models import lora
+from shardlm.models.causal_lm import transformer_blocks
 
 # strategy -> (hybrid 2-D mesh?, reshard_after_forward). no_shard is a 2-D mesh whose shard dim is 1.
 STRATEGIES = {
@@ -46,7 +47,7 @@ class Plan:
 def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.device) -> Plan:
     p = cfg.parallel
     if device.type == "xla":
-        from shardlm import xla
+        from shardlm.distributed import xla
 
         xla.check(p, world_size)
         return Plan(use_fsdp=False, mesh_shape=(), reshard_after_forward=True, dtype=DTYPES[p.precision],
@@ -64,7 +65,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     if p.compile == "auto" and lora.quantized(cfg):
         compile_ = "false"  # bitsandbytes' 4-bit matmuls are not verified under torch.compile here
     if p.precision == "fp8":
-        from shardlm.fp8 import check_float8
+        from shardlm.models.fp8 import check_float8
 
         check_float8(device, compile_)
     use_fsdp = fsdp_enabled(cfg, world_size)
@@ -101,7 +102,7 @@ def gpu_config_warning(cfg: Config, device: torch.device) -> str | None:
 @functools.cache
 def warn_once(message: str | None) -> None:
     """On rank 0 only, and once per process (`shardlm tune` plans every trial)."""
-    from shardlm.dist import launch_rank
+    from shardlm.distributed.process_group import launch_rank
 
     if message and launch_rank() == 0:
         print(message, file=sys.stderr, flush=True)
@@ -157,14 +158,14 @@ def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Modul
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     blocks = transformer_blocks(model.hf)
-    if dist.device.type == "xla":  # SPMD FSDPv2: the mesh and shardings of shardlm.xla, no fully_shard
-        from shardlm import xla
+    if dist.device.type == "xla":  # SPMD FSDPv2: the mesh and shardings of shardlm.distributed.xla, no fully_shard
+        from shardlm.distributed import xla
 
         p = cfg.parallel
         return xla.parallelize(model, blocks, dist.device, p.sharding, p.shard_size or None, dist.devices,
                                p.activation_checkpointing)
     if cfg.parallel.precision == "fp8":
-        from shardlm.fp8 import convert_to_float8
+        from shardlm.models.fp8 import convert_to_float8
 
         converted = convert_to_float8(model.hf, blocks, fsdp=pl.use_fsdp)
         dist.print(f"fp8: {len(converted)} linear layers in float8 (the first and last block and the head in bf16)")

@@ -11,15 +11,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardlm import ShardlmError, lora
-from shardlm import dist as dist_mod
+from shardlm import ShardlmError
 from shardlm.config import Config
 from shardlm.data import Blocks, prepare_data
-from shardlm.dist import Dist
-from shardlm.model import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
-from shardlm.parallel import Plan, ShardLocalAdamW, parallelize, plan
-from shardlm.schedule import WarmupCosine
+from shardlm.distributed import process_group as dist_mod
+from shardlm.distributed.parallelize import Plan, ShardLocalAdamW, parallelize, plan
+from shardlm.distributed.process_group import Dist
+from shardlm.models import lora
+from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
 from shardlm.tokenizer import model_tokenizer
+from shardlm.training.schedule import WarmupCosine
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -97,7 +98,7 @@ def _initial_hf(cfg: Config, hf_cfg, device: torch.device | None = None) -> nn.M
 
 
 def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
-    """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.lora): only they train."""
+    """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.models.lora): only they train."""
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
                             dist.device, compiled=pl.compile == "model")
     if pl.use_fsdp:

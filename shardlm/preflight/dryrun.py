@@ -1,6 +1,6 @@
 """`shardlm train CONFIG --dry-run`: every check a run makes before its first step, without the work.
 
-In the run's order (shardlm.build, then the checks `train` makes before its first step): the trackers, the
+In the run's order (shardlm.training.build, then the checks `train` makes before its first step): the trackers, the
 device and parallel plan for the world size the run would have, QLoRA's needs, out_dir, the tokenizer and the
 model's config, the parameters counted on the `meta` device (LoRA's adapters injected there, so target errors
 show), the data (files found and the first records of each read, so a missing CSV column or a malformed first
@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardlm import ShardlmError, lora
+from shardlm import ShardlmError
 from shardlm.config import Config
+from shardlm.models import lora
 
 PEEK_FILES, PEEK_RECORDS = 100, 2  # what of the data a dry run reads
 
@@ -50,7 +51,7 @@ def _data_line(name: str, spec: str | None, default_split: str, data_files=None,
 def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
     """(tokenizer, HF config, lines); the tokenizer or config is None where a hub name cannot be reached."""
     from shardlm.hub import hub_reachable
-    from shardlm.model import empty_model, model_config, num_params
+    from shardlm.models.causal_lm import empty_model, model_config, num_params
     from shardlm.tokenizer import model_tokenizer, tokenizer_spec
 
     tokenizer = None
@@ -78,7 +79,7 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
 
 def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
     """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it."""
-    from shardlm.checkpoint import check_resumable, resume_target
+    from shardlm.checkpoint.checkpointer import check_resumable, resume_target
 
     path = resume_target(cfg.checkpoint.resume, Path(cfg.out_dir), log=lambda *_: None)
     if path is None:
@@ -99,9 +100,9 @@ def enough_tokens(cfg: Config, world: int) -> int:
 
 def _blocks_line(cfg: Config, tokenizer, world: int) -> str:
     """The run's block and step checks, on counted tokens (`counting_loader`): the same messages."""
-    from shardlm.build import count_steps
     from shardlm.data import counting_loader, prepare_data
     from shardlm.data.sources import resolve
+    from shardlm.training.build import count_steps
 
     d = cfg.data
     specs = [*(d.train if isinstance(d.train, list) else [d.train]), *([d.val] if d.val else [])]
@@ -125,7 +126,7 @@ def _check_generation(cfg: Config, val) -> None:
     t = cfg.train
     if not t.gen_every:
         return
-    from shardlm.genquality import MODULES, held_out_prompts, require
+    from shardlm.inference.genquality import MODULES, held_out_prompts, require
 
     for module in MODULES:
         require(module)
@@ -136,8 +137,8 @@ def _check_generation(cfg: Config, val) -> None:
 
 
 def _device(cfg: Config) -> torch.device:
-    from shardlm import xla
-    from shardlm.dist import pick_device
+    from shardlm.distributed import xla
+    from shardlm.distributed.process_group import pick_device
 
     explicit = cfg.parallel.device != "auto" or xla.wanted("auto")
     return pick_device(cfg.parallel.device, 0) if explicit else \
@@ -145,10 +146,11 @@ def _device(cfg: Config) -> torch.device:
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
-    from shardlm import tracking, xla
-    from shardlm.build import check_out_dir
     from shardlm.config import task_defaults_note
-    from shardlm.parallel import plan
+    from shardlm.distributed import xla
+    from shardlm.distributed.parallelize import plan
+    from shardlm.observe import tracking
+    from shardlm.training.build import check_out_dir
 
     tracking.require(cfg.log)
     device = _device(cfg)

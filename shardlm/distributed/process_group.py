@@ -133,7 +133,7 @@ def detect_launch(env: Mapping[str, str] | None = None, launcher: str = "auto") 
 
 class Dist:
     """The process group and device of this process; a single process has no group at all. `devices` is how
-    many devices this process drives: 1, or every device of the host on XLA (SPMD, shardlm.xla)."""
+    many devices this process drives: 1, or every device of the host on XLA (SPMD, shardlm.distributed.xla)."""
 
     def __init__(self, info: LaunchInfo, device: torch.device, devices: int = 1):
         self.info, self.device, self.devices = info, device, devices
@@ -182,7 +182,7 @@ class Dist:
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
-    from shardlm import xla
+    from shardlm.distributed import xla
 
     if xla.wanted(kind):
         return xla.start()
@@ -201,7 +201,7 @@ def init(info: LaunchInfo, device: torch.device, timeout_s: int = 600, force_gro
     when `force_group` (FSDP on one device, e.g. for CPU offload); otherwise it trains without one.
     An XLA process has no group: it drives every device of its host itself (SPMD)."""
     if device.type == "xla":
-        from shardlm import xla
+        from shardlm.distributed import xla
 
         return Dist(info, device, xla.device_count())
     if dist.is_initialized() or (info.world_size == 1 and not force_group):
@@ -239,7 +239,7 @@ def shutdown(code: int = 0) -> None:
     and `os._exit` avoids that (measured: ~4% of exits abort otherwise), so multi-process runs are not flaky.
     """
     if dist.is_initialized():
-        from shardlm.tracking import abandon_open
+        from shardlm.observe.tracking import abandon_open
 
         abandon_open()  # os._exit below skips atexit: a crashed run's MLflow run must not stay RUNNING
         with contextlib.suppress(Exception):  # best effort on the way out

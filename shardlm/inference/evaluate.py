@@ -4,7 +4,7 @@ Block mode scores the same packed blocks training validates on. `--stride` is th
 used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and only
 the tokens not scored by an earlier window count, each with up to a full context before it.
 
-`--generation N` adds generation quality (shardlm.genquality) on N held-out prompts: in the JSON line under
+`--generation N` adds generation quality (shardlm.inference.genquality) on N held-out prompts: in the JSON line under
 "generation" and, for a run, as a `"split": "gen"` record in its metrics.jsonl at the checkpoint's step.
 
 Progress goes to stderr (a bar on a terminal, else a line after the first batch and every ~10 s); stdout
@@ -27,12 +27,19 @@ from shardlm import ShardlmError
 from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
 from shardlm.data.mixture import MixtureBlocks
-from shardlm.genquality import FEW_FOR_MAUVE, MODULES, generation_quality, held_out_prompts, record_fields, require
-from shardlm.load import inference_config, load_for_inference
-from shardlm.loss import IGNORE, linear_cross_entropy
-from shardlm.metrics import eval_summary, fmt_time
-from shardlm.model import auto_loss_chunk, context_length
-from shardlm.reporting import held_out_words
+from shardlm.inference.genquality import (
+    FEW_FOR_MAUVE,
+    MODULES,
+    generation_quality,
+    held_out_prompts,
+    record_fields,
+    require,
+)
+from shardlm.inference.load import inference_config, load_for_inference
+from shardlm.models.causal_lm import auto_loss_chunk, context_length
+from shardlm.models.loss import IGNORE, linear_cross_entropy
+from shardlm.observe.metrics import eval_summary, fmt_time
+from shardlm.training.reporting import held_out_words
 
 
 class EvalProgress:
@@ -130,7 +137,7 @@ class GenOptions:
     seed: int = 0
 
     def check(self) -> None:
-        from shardlm.generate import check_options
+        from shardlm.inference.generate import check_options
 
         if self.n < 0:
             raise ShardlmError(f"--generation must be >= 0 (0 = off), got {self.n}.")
@@ -171,7 +178,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
 
 def evaluate_generation(model, tokenizer, tokens: np.ndarray, seq_len: int, gen: GenOptions,
                         device: torch.device) -> dict:
-    """shardlm.genquality's metrics of `gen.n` held-out prompts, printed to stderr as a few lines."""
+    """shardlm.inference.genquality's metrics of `gen.n` held-out prompts, printed to stderr as a few lines."""
     featurizer = None
     if gen.featurizer:
         with contextlib.redirect_stdout(sys.stderr):
@@ -232,7 +239,7 @@ def _evaluate(model, tokens: np.ndarray, tails: list[np.ndarray], cfg, context: 
 
 def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> list[np.ndarray]:
     from shardlm.data import load_split
-    from shardlm.dist import Dist, LaunchInfo
+    from shardlm.distributed.process_group import Dist, LaunchInfo
 
     spec = cfg.data.val or (None if exported else cfg.data.train)
     if spec is None:

@@ -4,7 +4,7 @@ MFU, memory), validation records, the progress bar or lines with an ETA, and the
 Why a component of its own (torchtitan's MetricsProcessor, smaller): the loop only says *when* (after a step,
 at a log interval, after an evaluation or a save); this says *what*. The Trainer then holds training state
 only, and a change to what is reported never touches the loop. The building blocks (MetricsLog, Progress,
-Eta, MFU) are in shardlm.metrics.
+Eta, MFU) are in shardlm.observe.metrics.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shardlm import lora, xla
 from shardlm.config import task_defaults_note
-from shardlm.metrics import (
+from shardlm.distributed import xla
+from shardlm.models import lora
+from shardlm.models.causal_lm import num_params
+from shardlm.observe.metrics import (
     Eta,
     MetricsLog,
     Progress,
@@ -29,10 +31,9 @@ from shardlm.metrics import (
     peak_flops,
     peak_memory_bytes,
 )
-from shardlm.model import num_params
 
 if TYPE_CHECKING:
-    from shardlm.build import Run
+    from shardlm.training.build import Run
 
 
 def global_batch(run: Run) -> int:

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 from shardlm import ShardlmError
-from shardlm.load import is_adapter_folder, is_hf_folder, load_for_inference
-from shardlm.model import context_length, padding_ids
+from shardlm.inference.load import is_adapter_folder, is_hf_folder, load_for_inference
+from shardlm.models.causal_lm import context_length, padding_ids
 
 CARD_MARK = "trained with shardlm"  # in every export's README.md (model_card): how an earlier export is known
 
@@ -28,7 +28,7 @@ def _sources(path: Path) -> list[Path]:
     """What an export of `path` reads: the path itself and, for a run, checkpoint or adapter, its base folder."""
     import json
 
-    from shardlm.checkpoint import resolve_checkpoint
+    from shardlm.checkpoint.checkpointer import resolve_checkpoint
 
     found = [path]
     base = None
@@ -80,9 +80,9 @@ def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> P
 
     import yaml
 
-    from shardlm.checkpoint import resolve_checkpoint
+    from shardlm.checkpoint.checkpointer import resolve_checkpoint
     from shardlm.config import config_from_dict
-    from shardlm.load import load_lora_checkpoint, manifest_of
+    from shardlm.inference.load import load_lora_checkpoint, manifest_of
 
     source = Path(path).expanduser()
     if not source.exists():
@@ -153,7 +153,7 @@ def run_facts(ckpt: Path | None) -> dict:
     metrics.jsonl (empty for an exported folder, which keeps no run)."""
     import json
 
-    from shardlm.plot import read_metrics
+    from shardlm.observe.plot import read_metrics
 
     if ckpt is None:
         return {}
@@ -186,7 +186,7 @@ def _loss(record: dict | None) -> str | None:
 
 def _val_loss(record: dict | None, cfg) -> str | None:
     """The loss and which held-out tokens it is over: training scores a subset, `shardlm eval` all of them."""
-    from shardlm.reporting import held_out_words
+    from shardlm.training.reporting import held_out_words
 
     loss = _loss(record)
     if loss is None or not isinstance(record.get("tokens"), int):
@@ -195,9 +195,9 @@ def _val_loss(record: dict | None, cfg) -> str | None:
 
 
 def layout(cfg, world_size: int | None, device: str | None) -> str:
-    """How the run was spread, by the rules it ran under (shardlm.parallel.fsdp_enabled): parallel.sharding
+    """How the run was spread, by the rules it ran under (parallelize.fsdp_enabled): parallel.sharding
     alone says nothing, as one process trains without FSDP unless parallel.fsdp or cpu_offload asks for it."""
-    from shardlm.parallel import fsdp_enabled
+    from shardlm.distributed.parallelize import fsdp_enabled
 
     p = cfg.parallel
     if world_size is None:
@@ -280,7 +280,7 @@ def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, im
 
 
 def write_card(folder: Path, model, cfg, ckpt: Path | None, model_id: str, adapter: bool = False) -> None:
-    from shardlm.plot import PANELS, draw, load_runs
+    from shardlm.observe.plot import PANELS, draw, load_runs
 
     facts = run_facts(ckpt)
     image = False

@@ -18,7 +18,7 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, nearest
 from shardlm.hub import hub_kwargs, hub_reachable
-from shardlm.loss import linear_cross_entropy, logits_cross_entropy
+from shardlm.models.loss import linear_cross_entropy, logits_cross_entropy
 from shardlm.tokenizer import tokenizer_spec
 
 # Config keys of families that transform their logits after the head (Gemma 2 soft-caps them, Cohere and

@@ -12,7 +12,7 @@ where each part goes on disk, not what it is, so it never reads or writes Traine
 
 A LoRA run (`lora.r > 0`) saves only what changes: the adapter weights (not the frozen base), their optimizer
 state, the schedule, the data position and the RNG; the manifest records the base's identity
-(`shardlm.lora.base_identity`) and a resume or load onto another base is refused.
+(`shardlm.models.lora.base_identity`) and a resume or load onto another base is refused.
 """
 
 from __future__ import annotations
@@ -42,12 +42,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardlm import ShardlmError, __version__, lora, xla
+from shardlm import ShardlmError, __version__
 from shardlm.config import save_config
-from shardlm.schedule import WarmupCosine
+from shardlm.distributed import xla
+from shardlm.models import lora
+from shardlm.training.schedule import WarmupCosine
 
 if TYPE_CHECKING:
-    from shardlm.build import Run
+    from shardlm.training.build import Run
 
 # One process without a process group saves and loads through the same DCP path; DCP warns about it.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

@@ -18,10 +18,17 @@ from inspect import signature
 
 import torch
 
-from shardlm import lora
 from shardlm.config import Config
-from shardlm.model import auto_loss_chunk, empty_model, logit_transform, model_config, num_params, transformer_blocks
-from shardlm.parallel import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
+from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
+from shardlm.models import lora
+from shardlm.models.causal_lm import (
+    auto_loss_chunk,
+    empty_model,
+    logit_transform,
+    model_config,
+    num_params,
+    transformer_blocks,
+)
 
 GB = 2**30
 # bitsandbytes NF4 with double quantization: 4 bits a weight, an 8-bit scale per block of 64 weights and an fp32
@@ -42,7 +49,7 @@ class Estimate:
 
 def four_bit_params(blocks: torch.nn.ModuleList) -> int:
     """Weights QLoRA holds in 4 bits: every linear layer of the blocks (not the adapters; the head stays fp32)."""
-    from shardlm.lora import _linear_types
+    from shardlm.models.lora import _linear_types
 
     return sum(m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
                if issubclass(type(m), _linear_types()) and ".lora_" not in f".{n}")

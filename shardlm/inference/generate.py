@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.model import context_length, empty_model, fill_meta_buffers
+from shardlm.models.causal_lm import context_length, empty_model, fill_meta_buffers
 
 
 def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> nn.Module | None:
@@ -34,17 +34,17 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
     if dist.distributed or hasattr(model, "reshard"):
         state = get_model_state_dict(model, options=options)
     elif dist.device.type == "xla":  # `.cpu()` of a sharded XLA tensor compiles a gather graph, each time
-        from shardlm.xla import host_copy
+        from shardlm.distributed.xla import host_copy
 
         state = host_copy(dict(model.state_dict()))
     else:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if not dist.is_main:
         return None
-    from shardlm.fp8 import plain_state_dict  # fp8 + FSDP: torchao's weight wrappers survive full state dicts
+    from shardlm.models.fp8 import plain_state_dict  # fp8 + FSDP: torchao's weight wrappers survive full state dicts
 
     state = plain_state_dict(state)
-    from shardlm.lora import inference_state  # LoRA: fold the adapters into the base weights
+    from shardlm.models.lora import inference_state  # LoRA: fold the adapters into the base weights
 
     state = inference_state(state, model, hf_config)
     hf = empty_model(hf_config, "meta")
@@ -278,7 +278,7 @@ def generate_from_path(path: str, prompt: str, max_new_tokens: int = 200, temper
 
 
 def load_generator(path: str):
-    from shardlm.load import load_for_inference
+    from shardlm.inference.load import load_for_inference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, _cfg, _ckpt = load_for_inference(path, device)

@@ -25,7 +25,7 @@ def launch(nproc: int, max_restarts: int, train_args: list[str], debug: bool) ->
     warning = oversubscription_warning(nproc, cpu_cores(), lambda: on_cpu(train_args))
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "shardlm.launch", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [sys.executable, "-m", "shardlm.distributed.launch", "--standalone", f"--nproc-per-node={nproc}"]
     if max_restarts:
         cmd += [f"--max-restarts={max_restarts}"]
     cmd += ["-m", "shardlm", "train", *train_args] + (["--debug"] if debug else [])

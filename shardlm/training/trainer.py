@@ -3,7 +3,7 @@
 The Trainer holds training state and nothing else. Its own state (step, data position, counters) goes in and
 out through `state_dict` / `load_state_dict`, like every other part of a checkpoint (torchtitan's
 `Trainer(Stateful)`): the Checkpointer saves a dict of such parts and never looks inside the Trainer. What a
-run reports lives in shardlm.reporting, and code of the user's own runs through shardlm.callbacks, so `fit`
+run reports lives in shardlm.training.reporting, and code of the user's own runs through shardlm.callbacks, so `fit`
 reads like nanoGPT's loop: step -> maybe log -> maybe evaluate -> maybe save.
 """
 
@@ -18,17 +18,19 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from shardlm import ShardlmError, reporting, xla
-from shardlm.build import Run, build
+from shardlm import ShardlmError
 from shardlm.callbacks import Callbacks
-from shardlm.checkpoint import Checkpointer, stateful_parts
+from shardlm.checkpoint.checkpointer import Checkpointer, stateful_parts
 from shardlm.config import Config
 from shardlm.data import Blocks, MixtureSampler, eval_shares, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
-from shardlm.fp8 import after_optimizer_step
-from shardlm.metrics import eval_summary, peak_flops
-from shardlm.model import num_params
-from shardlm.parallel import clip_grad_norm, set_gradient_sync
+from shardlm.distributed import xla
+from shardlm.distributed.parallelize import clip_grad_norm, set_gradient_sync
+from shardlm.models.causal_lm import num_params
+from shardlm.models.fp8 import after_optimizer_step
+from shardlm.observe.metrics import eval_summary, peak_flops
+from shardlm.training import reporting
+from shardlm.training.build import Run, build
 
 
 class StepResult(TypedDict):
@@ -72,7 +74,7 @@ class Trainer:
 
     @classmethod
     def from_config(cls, cfg: Config, **options: Any) -> Trainer:
-        """`Trainer(build(cfg), **options)`: the run built in the design's order (shardlm.build), then its loop."""
+        """`Trainer(build(cfg), **options)`: the run built in the design's order (training.build), then its loop."""
         return cls(build(cfg), **options)
 
     # ---- state: what a checkpoint keeps of the trainer ---------------------------------------------------
@@ -108,7 +110,7 @@ class Trainer:
         self.stop_requested = True
         self.stop_reason = reason or self.stop_reason
 
-    # ---- numbers benchmarks/mfu.py reads (they live in shardlm.reporting) ----------------------------------
+    # ---- numbers benchmarks/mfu.py reads (they live in shardlm.training.reporting) ----------------------------------
     @property
     def n_params(self) -> int:
         return num_params(self.model)

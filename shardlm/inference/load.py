@@ -22,9 +22,9 @@ import yaml
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.checkpoint import resolve_checkpoint
+from shardlm.checkpoint.checkpointer import resolve_checkpoint
 from shardlm.config import Config, LoraConfig, config_from_dict
-from shardlm.model import fill_meta_buffers
+from shardlm.models.causal_lm import fill_meta_buffers
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -43,8 +43,8 @@ def load_lora_checkpoint(ckpt: Path, cfg: Config):
     """A `peft.PeftModel` (CPU, fp32, unmerged): the run's base model + the checkpoint's adapter weights."""
     from transformers import AutoConfig
 
-    from shardlm import lora
-    from shardlm.model import initial_model
+    from shardlm.models import lora
+    from shardlm.models.causal_lm import initial_model
 
     manifest = manifest_of(ckpt)
     saved = manifest.get("base") or {}
@@ -89,7 +89,7 @@ def load_adapter_folder(path: Path, trust_remote_code: bool = False):
 def load_checkpoint_model(ckpt: Path) -> nn.Module:
     from transformers import AutoConfig
 
-    from shardlm.model import empty_model
+    from shardlm.models.causal_lm import empty_model
 
     hf_config = AutoConfig.for_model(**json.loads((ckpt / "hf_config.json").read_text()))
     model = empty_model(hf_config, "meta")

@@ -71,7 +71,7 @@ def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> nn.Module:
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
-    from shardlm.model import initial_model
+    from shardlm.models.causal_lm import initial_model
 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.parallel.precision, torch.float32)
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -85,7 +85,7 @@ def _dequantized(state: dict, model: nn.Module) -> tuple[dict, set[str]]:
     quantization entries dropped, and the keys of those weights."""
     import bitsandbytes as bnb  # only called where a 4-bit layer exists, i.e. bitsandbytes is installed
 
-    from shardlm.checkpoint import state_key
+    from shardlm.checkpoint.checkpointer import state_key
 
     out, keys = dict(state), set()
     for name, module in model.named_modules():
@@ -102,7 +102,7 @@ def _conv1d_layout(state: dict, keys: set[str], hf_config) -> dict:
     """Weights that bitsandbytes held as (out, in) Linear4bit back in the (in, out) layout of GPT-2's Conv1D."""
     from transformers.pytorch_utils import Conv1D
 
-    from shardlm.model import empty_model
+    from shardlm.models.causal_lm import empty_model
 
     plain = dict(empty_model(hf_config, "meta").named_modules())
     for key in {k.replace(".base_layer.", ".") for k in keys}:
@@ -126,7 +126,7 @@ def linear_names(hf_model: nn.Module) -> list[str]:
 
 def default_targets(hf_model: nn.Module) -> list[str]:
     """The attention and MLP projections: every Linear / Conv1D inside the transformer blocks."""
-    from shardlm.model import transformer_blocks
+    from shardlm.models.causal_lm import transformer_blocks
 
     names = set()
     for block in transformer_blocks(hf_model):
@@ -204,8 +204,8 @@ def adapter_state(state: dict) -> dict:
 
 
 def count(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters, each shared tensor once (shardlm.model.num_params)."""
-    from shardlm.model import num_params
+    """(trainable, total) parameters, each shared tensor once (shardlm.models.causal_lm.num_params)."""
+    from shardlm.models.causal_lm import num_params
 
     return num_params(model, trainable_only=True), num_params(model)
 
@@ -283,7 +283,7 @@ def _file_record(path: Path, known: dict | None) -> dict:
 
 
 def local_base(name: str) -> Path | None:
-    from shardlm.model import model_source
+    from shardlm.models.causal_lm import model_source
 
     source = Path(model_source(name))
     if source.is_dir():

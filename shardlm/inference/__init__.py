@@ -1,0 +1,1 @@
+"""Using a trained model: load, generate, generation quality, evaluate, export."""

@@ -1,0 +1,1 @@
+"""Before a run: dry run, memory estimate, the fastest setting (tune), environment report."""
