@@ -1,5 +1,6 @@
 """The README's commands run as written, so a README command that breaks fails CI; every bundled config
-validates with `shardlm train CONFIG --dry-run`.
+validates with `shardlm train CONFIG --dry-run`. The guides' commands (docs/*.md) run in tests/test_docs.py,
+the same way (`runnable`, `small_overrides`) on the pages marked for tiny runs.
 
 Each `shardlm train`/`tune` command gets tiny overrides appended (a small corpus and model, 10 steps): the
 command's own options, files and keys are what is tested, not the training. Process counts above 2 are
@@ -37,6 +38,13 @@ def demo_command() -> list[str]:
     return shlex.split(recipe.replace("$(VENV)/bin/", ""))
 
 
+def small_overrides(corpus, cache_dir) -> list[str]:
+    """The tiny overrides appended to each `shardlm train`/`tune` command (the command's own out_dir stays)."""
+    small = [a for a in tiny(corpus, cache_dir, "unused") if not a.startswith("out_dir=")]
+    return small + ["model.name=null", "model.tokenizer=bytes", "data.val=null", "parallel.precision=fp32",
+                    "train.grad_accum=1", "checkpoint.async=false", "log.tensorboard=true"]
+
+
 def runnable(argv: list[str], small: list[str]) -> list[str] | None:
     argv = [re.sub(r"^(--nproc(?:_per_node|-per-node)?[= ]?)([3-9]|\d\d+)$", r"\g<1>2", a) for a in argv]
     argv = [a if i == 0 or not argv[i - 1].startswith("--nproc") or int(a) <= 2 else "2"
@@ -54,14 +62,12 @@ def runnable(argv: list[str], small: list[str]) -> list[str] | None:
         return cmd
     if head == "python":
         return [sys.executable, *rest]
-    raise AssertionError(f"README command of an unknown program: {shlex.join(argv)}")
+    raise AssertionError(f"a command of an unknown program: {shlex.join(argv)}")
 
 
 def test_readme_commands_run_as_written(corpus, cache_dir, tmp_path):
     (tmp_path / "configs").symlink_to(ROOT / "configs")
-    small = [a for a in tiny(corpus, cache_dir, "unused") if not a.startswith("out_dir=")]
-    small += ["model.name=null", "model.tokenizer=bytes", "data.val=null", "parallel.precision=fp32",
-              "train.grad_accum=1", "checkpoint.async=false", "log.tensorboard=true"]
+    small = small_overrides(corpus, cache_dir)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(ROOT)}
     ran = []
