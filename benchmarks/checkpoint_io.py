@@ -29,7 +29,7 @@ def worker(out_dir: str, mode: str) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from shardlm.checkpoint.checkpointer import model_parts
+    from shardlm.checkpoint.state import model_parts
     from shardlm.config import load_config
     from shardlm.models.causal_lm import model_config
     from shardlm.tokenizer import load_tokenizer

@@ -3,7 +3,7 @@
 A callback is any object with some of the methods of `Callback` below; the Trainer calls each event on every
 callback, in the order given, on every rank. Why this shape: the loop stays the same for everyone, and what
 used to be special cases inside it (the test suite's injected faults, for one) is a callback like any other
-(tests/faults.py). Events (`trainer` is the Trainer; read `trainer.step`, `trainer.run`, ...):
+(tests/faults.py). Events (`trainer` is a TrainerView; read `trainer.step`, `trainer.run`, ...):
 
     on_train_begin(trainer)                       before the first step of this invocation
     on_step_end(trainer, result)                  after each optimizer step; result: StepResult
@@ -32,14 +32,40 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypedDict
+
+import torch
 
 from shardlm import ShardlmError
 
-if TYPE_CHECKING:
-    from shardlm.training.trainer import StepResult, Trainer
-
 EVENTS = ("on_train_begin", "on_step_end", "on_evaluate", "on_checkpoint_saved", "on_train_end")
+
+
+class StepResult(TypedDict):
+    """What `train_step` returns: this rank's summed token loss (a 0-d tensor, not synced), the global gradient
+    norm before clipping, whether the update was applied (False: non-finite, skipped) and the learning rate it
+    used (read before the schedule moves on)."""
+
+    loss_sum: torch.Tensor
+    grad_norm: float
+    finite: bool
+    lr: float
+
+
+class TrainerView(Protocol):
+    """What a callback sees of the trainer: the contract between the loop and its extensions (torchtune's
+    shape). The Trainer satisfies it; this module imports nothing of the loop, so a callback never pulls
+    training (or inference) into the code that defines the events."""
+
+    step: int  # optimizer steps done
+    run: Any  # the built run (shardlm.training.build.Run): cfg, model, optimizer, tokenizer, train and val data
+    dist: Any  # the process group (shardlm.distributed.process_group.Dist): rank, is_main, print, barrier
+    report: Any  # the running fit's reporter: `report.log.write(record)` adds a metrics record
+
+    def request_stop(self, reason: str | None = None) -> None: ...
+
+
+Trainer = TrainerView  # the name the events' signatures read best with
 
 
 class Callback:
@@ -93,33 +119,6 @@ class EarlyStopping(Callback):
         if self.waited >= self.patience:
             trainer.dist.print(self._reason())
             trainer.request_stop(self._reason())
-
-
-class GenerationQuality(Callback):
-    """`train.gen_every=N`: every N steps, the numbers of `shardlm eval --generation` for `train.gen_samples`
-    held-out prompts (the first half of validation blocks), as a `"split": "gen"` record: metrics.jsonl,
-    TensorBoard, W&B/MLflow, and `shardlm plot` draws them. Every rank takes part in gathering the weights
-    to rank 0 (a collective); rank 0 samples and scores, seeded with train.seed."""
-
-    def __init__(self, every: int, samples: int):
-        self.every, self.samples = every, samples
-
-    def on_step_end(self, trainer: Trainer, result: StepResult) -> None:  # noqa: ARG002 - the interface
-        if trainer.step % self.every == 0:
-            self.measure(trainer)
-
-    def measure(self, trainer: Trainer) -> None:
-        from shardlm.inference.generate import gather_hf_model
-        from shardlm.inference.genquality import generation_quality, record_fields
-
-        run = trainer.run
-        hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)
-        if hf is not None:
-            val = run.val
-            g = generation_quality(hf.eval(), run.tokenizer, val.tokens[val.start:val.end], val.seq_len,
-                                   self.samples, seed=run.cfg.train.seed)
-            trainer.report.log.write({"step": trainer.step, "split": "gen", "source": "train", **record_fields(g)})
-        run.dist.barrier()
 
 
 class Callbacks(Callback):

@@ -11,19 +11,17 @@ import traceback
 from pathlib import Path
 
 from shardlm import ShardlmError, __version__
-
-
-def _split_config(rest: list[str]) -> tuple[list[str], list[str]]:
-    """Arguments with `=` are overrides, the others configs (later ones win; config.config_path resolves a
-    file or a bundled name); each keeps its order."""
-    return [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
+from shardlm.config import split_args
 
 
 def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> tuple[list[str], list[str]]:
     """`shardlm train RUN_DIR` / `shardlm resume RUN_DIR`: a run folder (or one of its checkpoints) given where a
     config goes continues that run from its saved config.yaml, with nothing to repeat; later configs and
     overrides apply on top (and are reported as changes). `must_resume`: no complete checkpoint is an error."""
-    runs = [Path(c) for c in config if Path(c).is_dir() and (Path(c) / "config.yaml").is_file()]
+    from shardlm.checkpoint import layout
+    from shardlm.checkpoint.layout import run_dir_of
+
+    runs = [Path(c) for c in config if Path(c).is_dir() and (Path(c) / layout.CONFIG).is_file()]
     if not runs:
         if must_resume:
             raise ShardlmError(f"'{config[0] if config else ''}' is not a run folder (no config.yaml in it): give the "
@@ -32,22 +30,22 @@ def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> 
     if len(runs) > 1:
         raise ShardlmError(f"two runs given ({runs[0]}, {runs[1]}): continue one run at a time.")
     path = runs[0]
-    is_checkpoint = (path / "manifest.json").is_file() and path.parent.name == "checkpoints"
+    is_checkpoint = (path / layout.MANIFEST).is_file() and run_dir_of(path) is not None
     if must_resume and not is_checkpoint:
-        from shardlm.checkpoint.checkpointer import resolve_checkpoint
+        from shardlm.checkpoint.layout import resolve_checkpoint
 
         resolve_checkpoint(path, log=lambda _: None)  # none complete: say so before anything starts
     # a run dir resumes its newest checkpoint (auto), whatever the saved config named
-    where = [f"out_dir={path.parent.parent}", f"checkpoint.resume={path}"] if is_checkpoint else \
+    where = [f"out_dir={run_dir_of(path)}", f"checkpoint.resume={path}"] if is_checkpoint else \
         [f"out_dir={path}", "checkpoint.resume=auto"]
-    return [str(path / "config.yaml") if c == str(path) else c for c in config], [*where, *overrides]
+    return [str(path / layout.CONFIG) if c == str(path) else c for c in config], [*where, *overrides]
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
 
     rest = [args.run, *args.rest] if args.command == "resume" else args.rest
-    config, overrides = continue_run(*_split_config(rest), must_resume=args.command == "resume")
+    config, overrides = continue_run(*split_args(rest), must_resume=args.command == "resume")
     cfg = load_config(config, overrides)  # checked before any process is started
     from shardlm.callbacks import load
 
@@ -129,7 +127,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from shardlm.preflight.estimate import describe
     from shardlm.tokenizer import model_tokenizer
 
-    config, overrides = _split_config(args.rest)
+    config, overrides = split_args(args.rest)
     cfg = load_config(config, overrides)
     print(describe(cfg, model_tokenizer(cfg.model), args.world_sizes))
     return 0
@@ -140,7 +138,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from shardlm.distributed.process_group import detect_launch
     from shardlm.preflight.tune import report, tune
 
-    config, overrides = _split_config(args.rest)
+    config, overrides = split_args(args.rest)
     cfg = load_config(config, overrides)
     points = tune(cfg, args.budget_gb, args.steps, args.max_batch)
     if detect_launch(launcher=cfg.parallel.launcher).rank == 0:
@@ -152,11 +150,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from shardlm.config import load_config
     from shardlm.data.prepare import prepare_command
 
-    config, overrides = _split_config(args.rest)
+    config, overrides = split_args(args.rest)
     return prepare_command(load_config(config, overrides))
 
 
-REFERENCE = "config keys: the README's 'Config reference' (python -m shardlm.docs prints it)"
+REFERENCE = "config keys: docs/config.md (python -m shardlm.docs prints them)"
 TRAIN_EXAMPLES = """examples:
   shardlm train                                      the defaults: a byte-level GPT on Tiny Shakespeare
   shardlm train gpt2_wikitext2 --nproc 4             a bundled config by name (shardlm configs lists them)
@@ -349,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _exit(code: int) -> None:
     from shardlm.distributed.process_group import shutdown
+    from shardlm.observe.tracking import abandon_open
 
-    shutdown(code)
+    shutdown(code, before_exit=abandon_open)  # a crashed run's MLflow run must not stay RUNNING
     sys.exit(code)
 

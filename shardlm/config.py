@@ -28,7 +28,7 @@ LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
 BUNDLED_CONFIGS = Path(__file__).parent / "configs"
 # `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
-# ZeRO stages and FSDP1 / HF Trainer names (README's table), keyed like `_sharding_key` spells them.
+# ZeRO stages and FSDP1 / HF Trainer names (docs/distributed.md's table), keyed like `_sharding_key` spells them.
 SHARDING_ALIASES = {
     "zero3": "full", "fullshard": "full",
     "zero2": "grad_op", "shardgradop": "grad_op",
@@ -226,6 +226,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def split_args(rest: list[str]) -> tuple[list[str], list[str]]:
+    """Command-line arguments with `=` are overrides, the others configs (later ones win; `config_path`
+    resolves a file or a bundled name); each keeps its order."""
+    return [a for a in rest if "=" not in a], [a for a in rest if "=" in a]
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`["train.lr=1e-3", "data.val=null"]` -> `{"train.lr": 0.001, "data.val": None}` (YAML values)."""
     parsed: dict[str, Any] = {}
@@ -366,7 +372,7 @@ def task_defaults(cfg: Config) -> dict[str, float]:
 
 def task_defaults_note(cfg: Config) -> str | None:
     """One line for the run header naming the fine-tuning defaults in effect, so a user who expected the
-    from-scratch ones (or the README's table) sees why; None from scratch or when every one was overridden."""
+    from-scratch ones (or docs/finetune.md's table) sees why; None from scratch or when every one was overridden."""
     used = [f"{key}={value:g}" for key, value in task_defaults(cfg).items() if _value(cfg, key) == value]
     if not used:
         return None

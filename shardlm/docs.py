@@ -1,4 +1,4 @@
-"""The config reference table in README.md, generated from the dataclasses (a test fails on drift).
+"""The config reference table in docs/config.md, generated from the dataclasses (a test fails on drift).
 
 Regenerate with: python -m shardlm.docs --write
 """
@@ -49,7 +49,7 @@ def main() -> None:
     if "--write" not in sys.argv:
         print(config_reference())
         return
-    readme = Path(__file__).resolve().parent.parent / "README.md"
+    readme = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     text = readme.read_text()
     readme.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: readme_block(), text, flags=re.S))
 

@@ -21,7 +21,7 @@ GPT2_NAMES = {"gpt2", "openai-community/gpt2", "gpt2-medium", "gpt2-large", "gpt
               "openai-community/gpt2-medium", "openai-community/gpt2-large", "openai-community/gpt2-xl"}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (the alphabet of byte-level BPE)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
@@ -32,7 +32,7 @@ def byte_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     vocab[EOS] = 256
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -78,7 +78,7 @@ def model_tokenizer(model: ModelConfig):
     """The run's tokenizer. Unset, a pretrained model's own: training a BPE model on other ids would run
     without complaint and learn nothing, so the default is never a different tokenizer. A mistyped model
     path is reported as such first, not as a tokenizer that cannot be loaded."""
-    from shardlm.models.causal_lm import check_model_path
+    from shardlm.hub import check_model_path
 
     if model.name is not None:
         check_model_path(model.name)

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import yaml
 
-from shardlm.callbacks import GenerationQuality
+from shardlm.checkpoint import layout
+from shardlm.checkpoint.layout import checkpoints_dir
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
-from shardlm.inference.generate import gather_hf_model, generate_text
+from shardlm.distributed.full_state import gather_hf_model
+from shardlm.inference.generate import generate_text
+from shardlm.inference.genquality import GenerationQuality
 from shardlm.observe import tracking
 from shardlm.training.build import Run, build
 from shardlm.training.trainer import Trainer
@@ -39,7 +42,7 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
         run.dist.print(f"saved step {trainer.step} to {run.out_dir / 'checkpoints'}; rerun the same command to "
                        "resume")
         return result
-    checkpoints = run.out_dir / "checkpoints"
+    checkpoints = checkpoints_dir(run.out_dir)
     run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}"
                    + (f"; checkpoints: {checkpoints})" if checkpoints.is_dir() else ")"))
     if cfg.checkpoint.export_final:
@@ -78,7 +81,7 @@ def record_config(cfg: Config, out_dir: Path, log=print) -> None:
     """Write `config.yaml` once training starts. A changed config of an earlier invocation is kept as
     `config.N.yaml` (N = 1, 2, ...) and the change is printed, so a run folder tells its whole history."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "config.yaml"
+    path = out_dir / layout.CONFIG
     if path.is_file():
         before = to_flat_dict(config_from_dict(yaml.safe_load(path.read_text()) or {}))
         now = to_flat_dict(cfg)

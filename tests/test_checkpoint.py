@@ -15,7 +15,7 @@ from faults import fault
 
 from gpu_check import kill_tree
 from helpers import ROOT, python_cmd, records, shardlm_cli, tiny
-from shardlm.checkpoint.checkpointer import is_complete, list_checkpoints, newest_complete
+from shardlm.checkpoint.layout import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12
 NO_DROPOUT = {"model.dropout": 0.0}

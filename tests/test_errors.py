@@ -161,7 +161,7 @@ def test_failed_or_finished_commands_leave_a_run_folder_as_it_was(corpus, cache_
 
 
 def test_disk_full_while_saving_keeps_earlier_checkpoints(corpus, cache_dir, tmp_path, monkeypatch):
-    from shardlm.checkpoint.checkpointer import checkpointer as ckpt_mod
+    from shardlm.checkpoint import checkpointer as ckpt_mod
     from shardlm.train import train
 
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"checkpoint.every": 2, "train.max_steps": 6}))
@@ -439,7 +439,7 @@ def test_a_mistyped_model_path_is_named_before_the_tokenizer(tmp_path):
 
 
 def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
-    from shardlm.models.causal_lm import check_model_path
+    from shardlm.hub import check_model_path
     from shardlm.tokenizer import model_tokenizer
 
     byte_gpt2_config().save_pretrained(tmp_path / "m")

@@ -220,20 +220,20 @@ def test_base_identity_hashes_every_weight_byte_and_rereads_only_changed_files(t
 
     from safetensors.torch import save_file
 
-    from shardlm.models import lora
+    from shardlm.checkpoint import provenance
 
     save_file({"w": torch.zeros(1_000_000)}, str(tmp_path / "model.safetensors"))  # 4 MB: 16 x 64 KiB samples miss most
-    first = lora.base_identity(str(tmp_path))
+    first = provenance.base_identity(str(tmp_path))
     data = bytearray((tmp_path / "model.safetensors").read_bytes())
     data[len(data) // 2 + 100_000] ^= 1  # between two of the sampled digest's 64 KiB reads
     (tmp_path / "model.safetensors").write_bytes(bytes(data))
-    changed = lora.base_identity(str(tmp_path))
+    changed = provenance.base_identity(str(tmp_path))
     assert changed["weights_sha256"] != first["weights_sha256"]
     with pytest.raises(ShardlmError, match="differs in its weights"):
-        lora.check_base(first, lora.base_identity(str(tmp_path), first), tmp_path)
+        provenance.check_base(first, provenance.base_identity(str(tmp_path), first), tmp_path)
     st = os.stat(tmp_path / "model.safetensors")  # a record whose name, size and mtime match is not re-read
     record = {**first, "weights": [{**first["weights"][0], "mtime_ns": st.st_mtime_ns}]}
-    assert lora.base_identity(str(tmp_path), record)["weights_sha256"] == first["weights_sha256"]
+    assert provenance.base_identity(str(tmp_path), record)["weights_sha256"] == first["weights_sha256"]
 
 
 @pytest.mark.parametrize("case", ["targets", "head", "scratch", "adapter_of_full_run", "other_base", "alpha",
@@ -287,7 +287,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, ru
     resumes bit for bit, and the export is a plain model."""
     bnb = bnb_portable_cpu_path
     from shardlm.config import load_config
-    from shardlm.inference.generate import gather_hf_model
+    from shardlm.distributed.full_state import gather_hf_model
     from shardlm.models import lora
     from shardlm.training.trainer import Trainer
 

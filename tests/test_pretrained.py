@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import byte_gpt2_config, records, shardlm_cli, tiny
-from shardlm.checkpoint.checkpointer import is_complete, list_checkpoints
+from shardlm.checkpoint.layout import is_complete, list_checkpoints
 from shardlm.data import GlobalSampler
 from shardlm.tokenizer import byte_tokenizer
 

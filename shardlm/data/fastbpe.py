@@ -42,12 +42,12 @@ def _pattern(pre: dict | None) -> str | None:
 
 def _ranks(model: dict) -> dict[bytes, int] | None:
     """Token bytes -> id, if the merges are applied in id order (so rank order = merge order)."""
-    from shardlm.tokenizer import _bytes_to_unicode
+    from shardlm.tokenizer import bytes_to_unicode
 
     if model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback") \
             or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         return None
-    vocab, decode = model["vocab"], {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab, decode = model["vocab"], {ch: b for b, ch in bytes_to_unicode().items()}
     last = -1
     for merge in model["merges"]:
         a, b = merge.split(" ", 1) if isinstance(merge, str) else merge

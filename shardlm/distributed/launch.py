@@ -73,10 +73,9 @@ def cpu_cores() -> int:
 
 def on_cpu(train_args: list[str]) -> bool:
     """Whether the ranks will train on the CPU: parallel.device as the run resolves it (auto: no CUDA GPU)."""
-    from shardlm.cli import _split_config
-    from shardlm.config import load_config
+    from shardlm.config import load_config, split_args
 
-    config, overrides = _split_config([a for a in train_args if not a.startswith("--")])
+    config, overrides = split_args([a for a in train_args if not a.startswith("--")])
     device = load_config(config, overrides).parallel.device
     if device != "auto":
         return device == "cpu"

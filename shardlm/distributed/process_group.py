@@ -14,7 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -232,16 +232,16 @@ def init(info: LaunchInfo, device: torch.device, timeout_s: int = 600, force_gro
     return Dist(info, device)
 
 
-def shutdown(code: int = 0) -> None:
-    """Tear the group down and leave at once.
+def shutdown(code: int = 0, before_exit: Callable[[], None] | None = None) -> None:
+    """Tear the group down and leave at once; `before_exit` runs first (the CLI's: mark a crashed run's
+    trackers finished, since os._exit skips atexit).
 
     A finished FSDP2 process can abort in interpreter teardown after destroy_process_group(); flushing
     and `os._exit` avoids that (measured: ~4% of exits abort otherwise), so multi-process runs are not flaky.
     """
     if dist.is_initialized():
-        from shardlm.observe.tracking import abandon_open
-
-        abandon_open()  # os._exit below skips atexit: a crashed run's MLflow run must not stay RUNNING
+        if before_exit is not None:
+            before_exit()
         with contextlib.suppress(Exception):  # best effort on the way out
             dist.destroy_process_group()
         sys.stdout.flush()

@@ -126,7 +126,7 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, device: torch.device, s
     import torch_xla.distributed.spmd as xs
     from torch_xla.distributed.spmd.xla_sharding import apply_backward_optimization_barrier
 
-    from shardlm.checkpoint.checkpointer import tied_keys
+    from shardlm.models.state_keys import tied_keys
 
     tied = tied_keys(model)  # each other name of a shared parameter -> the name it is shared with
     model.to(device)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from shardlm import ShardlmError
+from shardlm.checkpoint.layout import metrics_file, read_manifest, run_dir_of
 from shardlm.config import build_config, parse_overrides, to_flat_dict
 from shardlm.data import TokenBlocks
 from shardlm.data.mixture import MixtureBlocks
@@ -212,13 +213,13 @@ def describe_generation(g: dict) -> str:
 def log_generation(ckpt: Path | None, g: dict) -> None:
     """Appends the numbers to the run's metrics.jsonl (split "gen", the checkpoint's step), so `shardlm plot`
     draws them; an exported folder has no run to append to."""
-    run = ckpt.parent.parent if ckpt is not None and ckpt.parent.name == "checkpoints" else None
-    if run is None or not (run / "metrics.jsonl").is_file():
+    run = run_dir_of(ckpt) if ckpt is not None else None
+    if run is None or not metrics_file(run).is_file():
         return
-    step = json.loads((ckpt / "manifest.json").read_text()).get("step")
+    step = read_manifest(ckpt).get("step")
     record = {"step": step, "split": "gen", "source": "eval",
               **record_fields(g)}
-    with open(run / "metrics.jsonl", "a") as f:
+    with open(metrics_file(run), "a") as f:
         f.write(json.dumps(record) + "\n")
     print(f"appended to {run / 'metrics.jsonl'} (split gen, step {step})", file=sys.stderr)
 

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from shardlm import ShardlmError
+from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of, tokenizer_dir
 from shardlm.inference.load import is_adapter_folder, is_hf_folder, load_for_inference
 from shardlm.models.causal_lm import context_length, padding_ids
 
@@ -28,7 +29,7 @@ def _sources(path: Path) -> list[Path]:
     """What an export of `path` reads: the path itself and, for a run, checkpoint or adapter, its base folder."""
     import json
 
-    from shardlm.checkpoint.checkpointer import resolve_checkpoint
+    from shardlm.checkpoint.layout import resolve_checkpoint
 
     found = [path]
     base = None
@@ -67,21 +68,16 @@ def _replace(tmp: Path, out: Path) -> None:
 
 def _run_config(ckpt: Path | None):
     """The run's config as trained (load_for_inference clears lora.* of a merged LoRA model)."""
-    import yaml
 
-    from shardlm.config import config_from_dict
 
-    return None if ckpt is None else config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    return None if ckpt is None else read_config(ckpt)
 
 
 def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> Path:
     """A LoRA checkpoint (or run dir) -> a PEFT adapter folder; the base it names is the run's model.name."""
     import sys
 
-    import yaml
-
-    from shardlm.checkpoint.checkpointer import resolve_checkpoint
-    from shardlm.config import config_from_dict
+    from shardlm.checkpoint.layout import resolve_checkpoint
     from shardlm.inference.load import load_lora_checkpoint, manifest_of
 
     source = Path(path).expanduser()
@@ -94,7 +90,7 @@ def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> P
     if not manifest_of(ckpt).get("lora"):
         raise ShardlmError(f"export --adapter writes a LoRA adapter, but {ckpt} is a full fine-tuning checkpoint "
                            "(lora.r=0): it has no adapter. Export it without --adapter (a full model folder).")
-    cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    cfg = read_config(ckpt)
     model = load_lora_checkpoint(ckpt, cfg)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -102,7 +98,7 @@ def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> P
         model.save_pretrained(str(tmp), safe_serialization=True)
         from transformers import AutoTokenizer
 
-        AutoTokenizer.from_pretrained(str(ckpt / "tokenizer")).save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(tokenizer_dir(ckpt))).save_pretrained(str(tmp))
         write_card(tmp, model, cfg, ckpt, repo_id or str(out), adapter=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -151,17 +147,16 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
 def run_facts(ckpt: Path | None) -> dict:
     """Step, tokens seen and the last train / validation numbers up to the checkpoint, from its run's
     metrics.jsonl (empty for an exported folder, which keeps no run)."""
-    import json
 
     from shardlm.observe.plot import read_metrics
 
     if ckpt is None:
         return {}
-    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest = read_manifest(ckpt)
     step = manifest.get("step", 0)
     facts: dict = {"step": step, "world_size": manifest.get("world_size")}
-    run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
-    if run is None or not (run / "metrics.jsonl").is_file():
+    run = run_dir_of(ckpt)
+    if run is None or not metrics_file(run).is_file():
         return facts
     records = [r for r in read_metrics(run) if (r.get("step") or 0) <= step]
     for split in ("train", "val"):

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from shardlm import ShardlmError
+from shardlm.callbacks import Callback, StepResult, TrainerView
 
 MODULES = {"rouge_score": "rouge-score", "sacrebleu": "sacrebleu", "mauve": "mauve-text"}
 FEW_FOR_MAUVE = 100  # below this many samples MAUVE's clusters are too few to trust
@@ -189,3 +190,29 @@ def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
     from shardlm.inference.generate import decode_sample
 
     return decode_sample(tokenizer, prompt, new)[1]
+
+
+class GenerationQuality(Callback):
+    """`train.gen_every=N`: every N steps, the numbers of `shardlm eval --generation` for `train.gen_samples`
+    held-out prompts (the first half of validation blocks), as a `"split": "gen"` record: metrics.jsonl,
+    TensorBoard, W&B/MLflow, and `shardlm plot` draws them. Every rank takes part in gathering the weights
+    to rank 0 (a collective); rank 0 samples and scores, seeded with train.seed."""
+
+    def __init__(self, every: int, samples: int):
+        self.every, self.samples = every, samples
+
+    def on_step_end(self, trainer: TrainerView, result: StepResult) -> None:  # noqa: ARG002 - the interface
+        if trainer.step % self.every == 0:
+            self.measure(trainer)
+
+    def measure(self, trainer: TrainerView) -> None:
+        from shardlm.distributed.full_state import gather_hf_model
+
+        run = trainer.run
+        hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)
+        if hf is not None:
+            val = run.val
+            g = generation_quality(hf.eval(), run.tokenizer, val.tokens[val.start:val.end], val.seq_len,
+                                   self.samples, seed=run.cfg.train.seed)
+            trainer.report.log.write({"step": trainer.step, "split": "gen", "source": "train", **record_fields(g)})
+        run.dist.barrier()

@@ -12,19 +12,19 @@ adapter folder (`shardlm export RUN OUT --adapter`) loads the same way from its 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.checkpoint.checkpointer import resolve_checkpoint
-from shardlm.config import Config, LoraConfig, config_from_dict
+from shardlm.checkpoint import provenance
+from shardlm.checkpoint.layout import read_config, read_hf_config, read_manifest, resolve_checkpoint, tokenizer_dir
+from shardlm.config import Config, LoraConfig
 from shardlm.models.causal_lm import fill_meta_buffers
+from shardlm.models.state_keys import CHECKPOINT, checkpoint_key, to_hf
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -36,26 +36,25 @@ def is_adapter_folder(path: Path) -> bool:
 
 
 def manifest_of(ckpt: Path) -> dict:
-    return json.loads((ckpt / "manifest.json").read_text())
+    return read_manifest(ckpt)
 
 
 def load_lora_checkpoint(ckpt: Path, cfg: Config):
     """A `peft.PeftModel` (CPU, fp32, unmerged): the run's base model + the checkpoint's adapter weights."""
-    from transformers import AutoConfig
 
     from shardlm.models import lora
     from shardlm.models.causal_lm import initial_model
 
     manifest = manifest_of(ckpt)
     saved = manifest.get("base") or {}
-    if lora.local_base(cfg.model.name) is None and saved.get("path") and Path(saved["path"]).is_dir():
+    if provenance.local_base(cfg.model.name) is None and saved.get("path") and Path(saved["path"]).is_dir():
         cfg.model.name = saved["path"]  # e.g. a relative model.name, read from another working directory
-    lora.check_base(saved, lora.base_identity(cfg.model.name, saved), ckpt, what="load it")
-    hf_config = AutoConfig.for_model(**json.loads((ckpt / "hf_config.json").read_text()))
+    provenance.check_base(saved, provenance.base_identity(cfg.model.name, saved), ckpt, what="load it")
+    hf_config = read_hf_config(ckpt)
     base = initial_model(cfg, hf_config, cfg.train.seed)
     model = lora.peft_model(base, cfg.lora)
     inner = model.get_base_model()
-    wanted = {f"model.hf.{k}": v for k, v in inner.state_dict().items() if lora.is_adapter_key(k)}
+    wanted = {checkpoint_key(k): v for k, v in inner.state_dict().items() if lora.is_adapter_key(k)}
     saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     missing = sorted(k for k in wanted if k not in saved)
     if missing:
@@ -63,7 +62,7 @@ def load_lora_checkpoint(ckpt: Path, cfg: Config):
                            "from the run's?)")
     state = {k: torch.empty_like(v) for k, v in wanted.items()}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    inner.load_state_dict({k.removeprefix("model.hf."): v for k, v in state.items()}, strict=False)
+    inner.load_state_dict(to_hf(state, CHECKPOINT), strict=False)
     model.peft_config[lora.ADAPTER].base_model_name_or_path = (manifest.get("base") or {}).get("path") \
         or cfg.model.name
     return model
@@ -87,17 +86,16 @@ def load_adapter_folder(path: Path, trust_remote_code: bool = False):
 
 
 def load_checkpoint_model(ckpt: Path) -> nn.Module:
-    from transformers import AutoConfig
 
     from shardlm.models.causal_lm import empty_model
 
-    hf_config = AutoConfig.for_model(**json.loads((ckpt / "hf_config.json").read_text()))
+    hf_config = read_hf_config(ckpt)
     model = empty_model(hf_config, "meta")
     saved = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
-    state = {f"model.hf.{k}": torch.empty_like(v, device="cpu")
-             for k, v in model.state_dict().items() if f"model.hf.{k}" in saved}
+    state = {checkpoint_key(k): torch.empty_like(v, device="cpu")
+             for k, v in model.state_dict().items() if checkpoint_key(k) in saved}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    model.load_state_dict({k.removeprefix("model.hf."): v for k, v in state.items()}, strict=False, assign=True)
+    model.load_state_dict(to_hf(state, CHECKPOINT), strict=False, assign=True)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
@@ -125,14 +123,14 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         cfg, ckpt = None, None
     else:
         ckpt = resolve_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
-        cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+        cfg = read_config(ckpt)
         trust_remote_code = trust_remote_code or cfg.model.trust_remote_code
         if manifest_of(ckpt).get("lora"):
             model = load_lora_checkpoint(ckpt, cfg).merge_and_unload()
             cfg = dataclasses.replace(cfg, lora=LoraConfig())  # what is returned is a plain (merged) model
         else:
             model = load_checkpoint_model(ckpt)
-        tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "tokenizer"), trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(ckpt)), trust_remote_code=trust_remote_code)
     model.config.use_cache = True
     fill_meta_buffers(model)
     return model.to(device).eval(), tokenizer, cfg, ckpt

@@ -7,7 +7,6 @@ lm_head/wte weight is unsharded exactly while the loss needs it.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import Config, nearest
-from shardlm.hub import hub_kwargs, hub_reachable
+from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
 from shardlm.models.loss import linear_cross_entropy, logits_cross_entropy
 from shardlm.tokenizer import tokenizer_spec
 
@@ -91,50 +90,6 @@ def model_source(name: str) -> str:
     return str(Path(name).expanduser()) if Path(name).expanduser().is_dir() else name
 
 
-PATH_PREFIXES = ("./", "../", "/", "~", ".\\", "..\\")
-
-
-def looks_like_path(name: str) -> bool:
-    """Written as a path (./, ../, /, ~), or inside a folder that exists: never meant as a hub name."""
-    if name.startswith(PATH_PREFIXES) or name in (".", ".."):
-        return True
-    return any(p.is_dir() for p in Path(name).expanduser().parents if p != Path("."))
-
-
-def check_model_path(name: str) -> None:
-    """A path-looking model.name must be a folder with a config.json. The tokenizer is loaded first and would
-    otherwise fail on a mistyped path and blame itself (advising model.tokenizer=gpt2)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ShardlmError(f"cannot load model '{name}': it is a folder without a config.json. Point model.name "
-                               "at a folder saved with save_pretrained or `shardlm export` (config.json and weights).")
-        return
-    if not looks_like_path(name):
-        return
-    fix = ("Point model.name at a folder holding config.json and the weights (saved with save_pretrained or "
-           "`shardlm export`), or give a hub name such as gpt2.")
-    if path.exists():
-        raise ShardlmError(f"model.name '{name}' is a file, not a folder. {fix}")
-    raise ShardlmError(f"model.name '{name}' is a path that does not exist.{_did_you_mean(name)} {fix}")
-
-
-def _did_you_mean(name: str) -> str:
-    """The existing folder one component away from `name` (a sibling of the first missing part), if close."""
-    parts = Path(name).parts
-    for i, part in enumerate(parts):
-        base = Path(*parts[:i]).expanduser() if i else Path(".")
-        if not (base / part).expanduser().exists():
-            break
-    else:
-        return ""
-    siblings = [p.name for p in base.iterdir() if p.is_dir()] if base.is_dir() else []
-    match = difflib.get_close_matches(part, siblings, n=1, cutoff=0.6)
-    if not match:
-        return ""
-    guess = str(Path(*parts[:i], match[0], *parts[i + 1:]))
-    guess = "./" + guess if name.startswith("./") else guess
-    return f" Did you mean '{guess}'?" if Path(guess).expanduser().is_dir() else ""
 
 
 def scratch_config(cfg: Config, tokenizer):

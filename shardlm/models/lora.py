@@ -22,17 +22,14 @@ Design:
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import struct
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import Config, LoraConfig
+from shardlm.models.state_keys import hf_name, state_key
 
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -85,8 +82,6 @@ def _dequantized(state: dict, model: nn.Module) -> tuple[dict, set[str]]:
     quantization entries dropped, and the keys of those weights."""
     import bitsandbytes as bnb  # only called where a 4-bit layer exists, i.e. bitsandbytes is installed
 
-    from shardlm.checkpoint.checkpointer import state_key
-
     out, keys = dict(state), set()
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
@@ -106,12 +101,12 @@ def _conv1d_layout(state: dict, keys: set[str], hf_config) -> dict:
 
     plain = dict(empty_model(hf_config, "meta").named_modules())
     for key in {k.replace(".base_layer.", ".") for k in keys}:
-        if isinstance(plain.get(key.removeprefix("hf.").removesuffix(".weight")), Conv1D):
+        if isinstance(plain.get(hf_name(key).removesuffix(".weight")), Conv1D):
             state[key] = state[key].T.contiguous()
     return state
 
 
-def _linear_types() -> tuple[type, ...]:
+def linear_types() -> tuple[type, ...]:
     from transformers.pytorch_utils import Conv1D
 
     return (nn.Linear, Conv1D)
@@ -121,7 +116,7 @@ def linear_names(hf_model: nn.Module) -> list[str]:
     """Last names of the Linear / Conv1D layers LoRA can target (not the output head), sorted (for messages)."""
     head = hf_model.get_output_embeddings()
     return sorted({name.rsplit(".", 1)[-1] for name, m in hf_model.named_modules()
-                   if isinstance(m, _linear_types()) and name and m is not head})
+                   if isinstance(m, linear_types()) and name and m is not head})
 
 
 def default_targets(hf_model: nn.Module) -> list[str]:
@@ -130,7 +125,7 @@ def default_targets(hf_model: nn.Module) -> list[str]:
 
     names = set()
     for block in transformer_blocks(hf_model):
-        names |= {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if isinstance(m, _linear_types()) and n}
+        names |= {n.rsplit(".", 1)[-1] for n, m in block.named_modules() if isinstance(m, linear_types()) and n}
     return sorted(names)
 
 
@@ -142,7 +137,7 @@ def _matches(name: str, targets: list[str]) -> bool:
 def targets_of(hf_model: nn.Module, lc: LoraConfig) -> list[str]:
     """The target names, checked: each must match at least one Linear / Conv1D layer."""
     targets = list(lc.target_modules) if lc.target_modules is not None else default_targets(hf_model)
-    linears = [n for n, m in hf_model.named_modules() if isinstance(m, _linear_types()) and n]
+    linears = [n for n, m in hf_model.named_modules() if isinstance(m, linear_types()) and n]
     head = [n for n, m in hf_model.named_modules() if m is hf_model.get_output_embeddings() and n]
     on_head = [t for t in targets if any(_matches(n, [t]) for n in head)]
     if on_head:
@@ -242,104 +237,6 @@ def _merged(state: dict, scale: float, transpose: bool) -> dict:
     return out
 
 
-# ---- the base's identity --------------------------------------------------------------------------------
-def _weight_files(folder: Path) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("*.bin")) or sorted(folder.glob("*.pt"))
-    return files
-
-
-def _sampled_digest(path: Path, samples: int = 16, size: int = 65536) -> str:
-    """The identity of checkpoints written before full hashing (manifests without "weights"): sha256 of the
-    file's name, size, safetensors header and 16 evenly spaced 64 KiB data samples."""
-    h = hashlib.sha256()
-    total = path.stat().st_size
-    h.update(f"{path.name}:{total}".encode())
-    with open(path, "rb") as f:
-        start = 0
-        if path.suffix == ".safetensors" and total >= 8:
-            n = struct.unpack("<Q", f.read(8))[0]
-            h.update(f.read(min(n, 100 * 2**20)))
-            start = 8 + n
-        span = max(0, total - start)
-        for i in range(samples):
-            f.seek(start + span * i // samples)
-            h.update(f.read(size))
-    return h.hexdigest()
-
-
-def _file_record(path: Path, known: dict | None) -> dict:
-    """name, size, mtime and sha256 of one weight file. The whole file is hashed (1.3 GB/s here: ~2 s for a
-    1B bf16 base, once per run); a file whose name, size and mtime equal the checkpoint's record is not read
-    again, so a resume costs nothing."""
-    st = path.stat()
-    record = {"file": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    if known and known.get("sha256") and all(known.get(k) == v for k, v in record.items()):
-        return {**record, "sha256": known["sha256"]}
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * 2**20):
-            h.update(chunk)
-    return {**record, "sha256": h.hexdigest()}
-
-
-def local_base(name: str) -> Path | None:
-    from shardlm.models.causal_lm import model_source
-
-    source = Path(model_source(name))
-    if source.is_dir():
-        return source.resolve()
-    try:  # a hub name: the snapshot in the local HF cache, if there is one
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached: the identity is the name alone
-        return None
-
-
-def base_identity(name: str, known: dict | None = None) -> dict:
-    """Who the base model is: its name, resolved folder, sha256 of config.json and of every weight file.
-    `known`: the identity a checkpoint recorded; its files that are unchanged on disk are not read again."""
-    folder = local_base(name)
-    ident: dict = {"name": name, "path": str(folder) if folder else None, "config_sha256": None,
-                   "weights_sha256": None}
-    if folder is None:
-        return ident
-    config = folder / "config.json"
-    if config.is_file():
-        ident["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest()
-    files = _weight_files(folder)
-    if not files:
-        return ident
-    h = hashlib.sha256()
-    if known and known.get("weights_sha256") and "weights" not in known:  # recorded by an earlier shardlm
-        for f in files:
-            h.update(_sampled_digest(f).encode())
-    else:
-        saved = {r["file"]: r for r in (known or {}).get("weights", [])}
-        ident["weights"] = [_file_record(f, saved.get(f.name)) for f in files]
-        for r in ident["weights"]:
-            h.update(f"{r['file']}:{r['sha256']}".encode())
-    ident["weights_sha256"] = h.hexdigest()
-    return ident
-
-
-def check_base(saved: dict, current: dict, where: Path, what: str = "resume") -> None:
-    """Refuse a LoRA checkpoint on a base other than the one it was trained on."""
-    diffs = [k for k in ("config_sha256", "weights_sha256")
-             if saved.get(k) and current.get(k) and saved[k] != current[k]]
-    unhashed = not saved.get("weights_sha256") and not current.get("weights_sha256")
-    if unhashed and saved.get("name") != current.get("name"):
-        diffs.append("name")
-    if diffs:
-        parts = " and ".join({"config_sha256": "config.json", "weights_sha256": "weights", "name": "name"}[d]
-                             for d in diffs)
-        raise ShardlmError(
-            f"checkpoint {where} holds a LoRA adapter trained on base model '{saved.get('name')}' "
-            f"({saved.get('path')}), but model.name '{current.get('name')}' ({current.get('path')}) differs in its "
-            f"{parts}: an adapter only fits its own base. To {what}, set model.name to the original base; to "
-            "train this base, use a new out_dir or checkpoint.resume=none.")
-
-
 def describe(cfg: Config) -> dict | None:
     """What the manifest records about LoRA (None for full fine-tuning)."""
     if not enabled(cfg):
@@ -347,6 +244,3 @@ def describe(cfg: Config) -> dict | None:
     lc = cfg.lora
     return {"r": lc.r, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": lc.target_modules}
 
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from shardlm import ShardlmError
+from shardlm.checkpoint.layout import metrics_file
 
 # Dense (no sparsity) bf16 peak FLOP/s per GPU from NVIDIA's datasheets; fp16 for T4/V100, which have no
 # bf16. Matched in order by substring of torch.cuda.get_device_name(), so specific names come first.
@@ -88,7 +89,7 @@ class MetricsLog:
             tracking.require(cfg.log)  # on every rank, so all of them stop with the same one-line error
         if enabled:
             out_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(out_dir / "metrics.jsonl", "a") if enabled else None  # noqa: SIM115
+        self.file = open(metrics_file(out_dir), "a") if enabled else None  # noqa: SIM115
         self.tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from shardlm import ShardlmError
+from shardlm.checkpoint import layout
+from shardlm.checkpoint.layout import metrics_file
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -58,7 +60,7 @@ METRIC_NAMES = {"gpu_mem_used_gb": "GPU memory used (NVML)", "ppl": "perplexity"
 
 
 def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
+    path = metrics_file(run)
     if not path.is_file():
         raise ShardlmError(f"'{run}' has no metrics.jsonl: give a run dir (the out_dir of a training run).")
     by_key = {}  # a resumed run may repeat steps: the last record wins
@@ -81,7 +83,7 @@ def run_device(run: Path, records: list[dict]) -> str | None:
     import yaml
 
     try:
-        device = yaml.safe_load((run / "config.yaml").read_text())["parallel"]["device"]
+        device = yaml.safe_load((run / layout.CONFIG).read_text())["parallel"]["device"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         return None
     return device if device in ("cpu", "cuda") else None

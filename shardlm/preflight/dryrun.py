@@ -79,12 +79,13 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
 
 def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
     """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it."""
-    from shardlm.checkpoint.checkpointer import check_resumable, resume_target
+    from shardlm.checkpoint.layout import resume_target
+    from shardlm.checkpoint.provenance import base_identity, check_resumable
 
     path = resume_target(cfg.checkpoint.resume, Path(cfg.out_dir), log=lambda *_: None)
     if path is None:
         return []
-    manifest = check_resumable(path, cfg, hf_cfg, lambda known: lora.base_identity(cfg.model.name, known)
+    manifest = check_resumable(path, cfg, hf_cfg, lambda known: base_identity(cfg.model.name, known)
                                if lora.enabled(cfg) and cfg.model.name else None)
     return [f"resume: {path} (step {manifest['step']})"]
 

@@ -49,10 +49,10 @@ class Estimate:
 
 def four_bit_params(blocks: torch.nn.ModuleList) -> int:
     """Weights QLoRA holds in 4 bits: every linear layer of the blocks (not the adapters; the head stays fp32)."""
-    from shardlm.models.lora import _linear_types
+    from shardlm.models.lora import linear_types
 
     return sum(m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
-               if issubclass(type(m), _linear_types()) and ".lora_" not in f".{n}")
+               if issubclass(type(m), linear_types()) and ".lora_" not in f".{n}")
 
 
 def _meta_model(cfg: Config, hf_cfg):

@@ -19,6 +19,7 @@ from shardlm.distributed.parallelize import Plan, ShardLocalAdamW, parallelize, 
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
 from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
+from shardlm.models.state_keys import from_hf, hf_name
 from shardlm.tokenizer import model_tokenizer
 from shardlm.training.schedule import WarmupCosine
 
@@ -77,11 +78,11 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
 
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
     reference = _initial_hf(cfg, hf_cfg) if dist.is_main else None
-    full = {f"hf.{k}": v for k, v in reference.state_dict().items()} if reference is not None else {}
+    full = from_hf(reference.state_dict()) if reference is not None else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
         if reference is not None:
-            buf.copy_(reference.get_buffer(name.removeprefix("hf.")))
+            buf.copy_(reference.get_buffer(hf_name(name)))
         if dist.distributed:
             torch.distributed.broadcast(buf, src=0)
 

@@ -9,7 +9,12 @@ with its own state (it keeps a callable object's `__dict__`), so a later resume 
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 
 class WarmupCosine:
@@ -41,3 +46,29 @@ class WarmupCosine:
                 f"decays to train.min_lr_ratio={self.min_ratio:g} x train.lr at step {planned.total}")
         return (f"the run's end moved from step {old} to {planned.total}: the learning rate continues from its "
                 f"value at step {step} ({self(step):.3g} x train.lr) and {then}, without a jump")
+
+
+class ScheduleState:
+    """The LR schedule as a checkpoint part. Loading restores the step and the decay's start, then applies this
+    run's config: its warmup and floor, its peak learning rates (the optimizer's `initial_lr`, which
+    OptimizerState keeps), and a moved end (`WarmupCosine.configure`), which is reported through `log`."""
+
+    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR, log: Callable[[str], None] = print):
+        self.scheduler, self.log = scheduler, log
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.scheduler
+        planned = {id(f): copy.copy(f) for f in s.lr_lambdas if isinstance(f, WarmupCosine)}
+        s.load_state_dict(state)
+        for schedule in {id(f): f for f in s.lr_lambdas}.values():
+            if isinstance(schedule, WarmupCosine) and (moved := schedule.configure(planned[id(schedule)],
+                                                                                   s.last_epoch)):
+                self.log(f"note: {moved}")
+        groups = s.optimizer.param_groups
+        s.base_lrs = [g["initial_lr"] for g in groups]
+        for group, base, factor in zip(groups, s.base_lrs, s.lr_lambdas, strict=True):
+            group["lr"] = base * factor(s.last_epoch)
+        s._last_lr = [g["lr"] for g in groups]

@@ -13,35 +13,29 @@ import contextlib
 import math
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any, TypedDict
+from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from shardlm import ShardlmError
-from shardlm.callbacks import Callbacks
-from shardlm.checkpoint.checkpointer import Checkpointer, stateful_parts
+from shardlm.callbacks import Callbacks, StepResult
+from shardlm.checkpoint.checkpointer import Checkpointer
+from shardlm.checkpoint.layout import checkpoints_dir
+from shardlm.checkpoint.state import RngState, model_parts
 from shardlm.config import Config
 from shardlm.data import Blocks, MixtureSampler, eval_shares, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.distributed import xla
 from shardlm.distributed.parallelize import clip_grad_norm, set_gradient_sync
+from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.fp8 import after_optimizer_step
 from shardlm.observe.metrics import eval_summary, peak_flops
 from shardlm.training import reporting
 from shardlm.training.build import Run, build
-
-
-class StepResult(TypedDict):
-    """What `train_step` returns: this rank's summed token loss (a 0-d tensor, not synced), the global gradient
-    norm before clipping, whether the update was applied (False: non-finite, skipped) and the learning rate it
-    used (read before the schedule moves on)."""
-
-    loss_sum: torch.Tensor
-    grad_norm: float
-    finite: bool
-    lr: float
+from shardlm.training.schedule import ScheduleState
 
 
 class Trainer:
@@ -70,7 +64,9 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
-        self.checkpointer = Checkpointer(run, stateful_parts(run, self), on_saved=self._saved) if checkpoint else None
+        self.checkpointer = Checkpointer(
+            run.cfg, run.dist, checkpoints_dir(run.out_dir), stateful_parts(run, self), hf_config=run.hf_config,
+            tokenizer=run.tokenizer, on_saved=self._saved) if checkpoint else None
 
     @classmethod
     def from_config(cls, cfg: Config, **options: Any) -> Trainer:
@@ -296,3 +292,10 @@ class Trainer:
 
     def _saved(self, step: int, path: Any) -> None:
         self.callbacks.on_checkpoint_saved(self, step, path)
+
+
+def stateful_parts(run: Run, train_state: Stateful) -> dict[str, Stateful]:
+    """Everything a resume restores: model, optimizer, schedule, the trainer's own state and the RNG."""
+    return {**model_parts(run.model, run.optimizer, lora.enabled(run.cfg)),
+            "scheduler": ScheduleState(run.scheduler, run.dist.print), "train_state": train_state,
+            "rng": RngState(run.dist.device.type == "xla")}
