@@ -1,5 +1,6 @@
 # make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~5 min on 2 CPU cores)
-# make test: fresh venv (.venv-test: the test extras stay out of the demo's .venv), install, run the test suite
+# make test: fresh venv (.venv-test: the test extras stay out of the demo's .venv), install, make lint (ruff,
+#   lint-imports, mypy, mkdocs build --strict), then the test suite
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
 # make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~7.7 GB from PyPI, ~3 min
@@ -42,13 +43,17 @@ install-test:
 demo: install
 	$(VENV)/bin/shardlm train out_dir=runs/demo
 
-test: install-test
-	$(TEST_PY) -m ruff check shardlm tests benchmarks
-	$(TEST_PY) -m pytest
-
+# What CI checks before the tests: style, the package's layers and no import circles (import-linter, contracts
+# in pyproject.toml), types over the whole package, and the docs site (a broken link or a page missing from nav
+# fails the strict build).
 lint: install-test
 	$(TEST_PY) -m ruff check shardlm tests benchmarks
+	$(TEST_VENV)/bin/lint-imports --no-cache
 	$(TEST_PY) -m mypy
+	NO_MKDOCS_2_WARNING=1 $(TEST_VENV)/bin/mkdocs build --strict --quiet --site-dir $(TEST_VENV)/site
+
+test: lint
+	$(TEST_PY) -m pytest
 
 gpu-check:
 	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)

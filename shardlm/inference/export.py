@@ -181,7 +181,7 @@ def _loss(record: dict | None) -> str | None:
 
 def _val_loss(record: dict | None, cfg) -> str | None:
     """The loss and which held-out tokens it is over: training scores a subset, `shardlm eval` all of them."""
-    from shardlm.training.reporting import held_out_words
+    from shardlm.observe.metrics import held_out_words
 
     loss = _loss(record)
     if loss is None or not isinstance(record.get("tokens"), int):

@@ -46,6 +46,16 @@ def eval_summary(loss_sum: float, correct: float, tokens: float) -> dict[str, fl
             "tokens": int(tokens)}
 
 
+def held_out_words(tokens: int, held_out: int | None, eval_batches: int | None = None) -> str:
+    """Which held-out tokens a validation loss is over. Training scores a subset (train.eval_batches) and
+    `shardlm eval` all of them, and the two losses differ: each says which it is, so they are not taken for one."""
+    if held_out is None:  # a record written before records carried held_out_tokens
+        return f"on {tokens:,} held-out tokens"
+    if tokens >= held_out:
+        return f"on all {held_out:,} held-out tokens"
+    return f"on {tokens:,} of {held_out:,} held-out tokens (a subset: train.eval_batches={eval_batches})"
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)

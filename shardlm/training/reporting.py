@@ -28,6 +28,7 @@ from shardlm.observe.metrics import (
     flops_per_token,
     fmt_time,
     gpu_utilization,
+    held_out_words,
     peak_flops,
     peak_memory_bytes,
 )
@@ -77,16 +78,6 @@ def run_header(run: Run) -> str:
             f"{len(run.val):,} val blocks of {seq} tokens\n"
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}"
             + (f"\n{note}" if (note := task_defaults_note(cfg)) else ""))
-
-
-def held_out_words(tokens: int, held_out: int | None, eval_batches: int | None = None) -> str:
-    """Which held-out tokens a validation loss is over. Training scores a subset (train.eval_batches) and
-    `shardlm eval` all of them, and the two losses differ: each says which it is, so they are not taken for one."""
-    if held_out is None:  # a record written before records carried held_out_tokens
-        return f"on {tokens:,} held-out tokens"
-    if tokens >= held_out:
-        return f"on all {held_out:,} held-out tokens"
-    return f"on {tokens:,} of {held_out:,} held-out tokens (a subset: train.eval_batches={eval_batches})"
 
 
 class Reporter:
