@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from shardlm.checkpoint import layout
-from shardlm.checkpoint.layout import checkpoints_dir
+from shardlm.checkpoint.layout import checkpoints_dir, metrics_file
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
 from shardlm.distributed.full_state import gather_hf_model
 from shardlm.inference.generate import generate_text
@@ -35,15 +35,15 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
     result = trainer.fit()
     if trainer.stop_reason:
         run.dist.print(f"stopped at step {trainer.step} for good ({trainer.stop_reason}); checkpoints: "
-                       f"{run.out_dir / 'checkpoints'}. A rerun stays stopped: to train on, drop the callback "
+                       f"{checkpoints_dir(run.out_dir)}. A rerun stays stopped: to train on, drop the callback "
                        "or loosen it.")
         return result
     if trainer.stop_requested:
-        run.dist.print(f"saved step {trainer.step} to {run.out_dir / 'checkpoints'}; rerun the same command to "
+        run.dist.print(f"saved step {trainer.step} to {checkpoints_dir(run.out_dir)}; rerun the same command to "
                        "resume")
         return result
     checkpoints = checkpoints_dir(run.out_dir)
-    run.dist.print(f"metrics: {run.out_dir / 'metrics.jsonl'} (plot: shardlm plot {run.out_dir}"
+    run.dist.print(f"metrics: {metrics_file(run.out_dir)} (plot: shardlm plot {run.out_dir}"
                    + (f"; checkpoints: {checkpoints})" if checkpoints.is_dir() else ")"))
     if cfg.checkpoint.export_final:
         from shardlm.inference.export import export

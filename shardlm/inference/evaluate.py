@@ -220,7 +220,7 @@ def log_generation(ckpt: Path | None, g: dict) -> None:
               **record_fields(g)}
     with open(metrics_file(run), "a") as f:
         f.write(json.dumps(record) + "\n")
-    print(f"appended to {run / 'metrics.jsonl'} (split gen, step {step})", file=sys.stderr)
+    print(f"appended to {metrics_file(run)} (split gen, step {step})", file=sys.stderr)
 
 
 def _evaluate(model, tokens: np.ndarray, tails: list[np.ndarray], cfg, context: int, stride: int,
