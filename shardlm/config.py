@@ -163,7 +163,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Fiel
     keys: dict[str, dataclasses.Field] = {}
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.default_factory):
-            keys.update(all_keys(f.default_factory, prefix + f.name + "."))  # type: ignore[arg-type]
+            keys.update(all_keys(f.default_factory, prefix + f.name + "."))
         else:
             keys[prefix + f.name] = f
     return keys

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import codecs
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shardlm import ShardlmError
+
+if TYPE_CHECKING:
+    from zlib import _Decompress  # typeshed's name for zlib's decompress object
+
+    from zstandard import ZstdDecompressionObj
 
 BLOCK = 1 << 20  # decompressed bytes per block
 RAW_BLOCK = 64 << 10  # compressed bytes read at a time
 COMPRESSED = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 MAGIC = {"gzip": b"\x1f\x8b", "zstd": b"\x28\xb5\x2f\xfd"}
 FIX = {"gzip": "gzip -t", "zstd": "zstd -t"}
+_GZIP_MEMBER = type(zlib.decompressobj())  # zlib's decompress object (no public name)
 
 
 def compression(path: Path) -> str | None:
@@ -52,7 +59,7 @@ class _Decompressor:
             import zstandard
 
             self.error: tuple[type[BaseException], ...] = (zstandard.ZstdError,)
-            self.new = zstandard.ZstdDecompressor().decompressobj
+            self.new: Callable[[], _Decompress | ZstdDecompressionObj] = zstandard.ZstdDecompressor().decompressobj
         else:
             self.error = (zlib.error,)
             self.new = lambda: zlib.decompressobj(wbits=31)
@@ -61,7 +68,7 @@ class _Decompressor:
     def feed(self, chunk: bytes) -> Iterator[bytes]:
         while chunk:
             self.started = True
-            if self.kind == "gzip":
+            if isinstance(self.obj, _GZIP_MEMBER):  # i.e. self.kind == "gzip"
                 out = self.obj.decompress(chunk, BLOCK)
                 rest = self.obj.unconsumed_tail
             else:

@@ -207,28 +207,29 @@ def init(info: LaunchInfo, device: torch.device, timeout_s: int = 600, force_gro
     if dist.is_initialized() or (info.world_size == 1 and not force_group):
         return Dist(info, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    device_id = device if device.type == "cuda" else None  # None: init_process_group's default
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                device_id=device_id)
         return Dist(info, device)
     for key, value in (("MASTER_ADDR", info.master_addr), ("MASTER_PORT", info.master_port),
                        ("RANK", info.rank), ("WORLD_SIZE", info.world_size), ("LOCAL_RANK", info.local_rank)):
         os.environ.setdefault(key, str(value))
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if restart is None:
-        dist.init_process_group(backend, timeout=timeout, **kwargs)
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return Dist(info, device)
     # Under torchrun restarts the agent's store outlives a failed attempt, and gloo can read the dead
     # attempt's peer addresses from it (seen: "Connection refused" in connectFullMesh after a restart).
     # A per-attempt key prefix keeps every attempt's rendezvous apart.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
-                          is_master=not agent_store and info.rank == 0, timeout=timeout,
-                          multi_tenant=not agent_store)
-    store = dist.PrefixStore(f"shardlm/attempt_{restart}", store)
+    tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                        is_master=not agent_store and info.rank == 0, timeout=timeout,
+                        multi_tenant=not agent_store)
+    store = dist.PrefixStore(f"shardlm/attempt_{restart}", tcp)
     dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=timeout,
-                            **kwargs)
+                            device_id=device_id)
     return Dist(info, device)
 
 

@@ -137,14 +137,14 @@ def series_points(records: list[dict], split: str, metric: str, xkey: str) -> li
 
 def plot_series(ax: Axes, panel: Panel, runs: list[RunData]) -> list[float]:
     """Draws each run's series of the panel; returns all the y values drawn."""
-    ys_all = []
+    ys_all: list[float] = []
     for i, run in enumerate(runs):
         for j, (split, metric) in enumerate(panel.series):
             pts = series_points(run.records, split, metric, panel.x)
             if not pts:
                 continue
-            xs, ys = zip(*pts, strict=True)
-            ys = [y * panel.scale for y in ys]
+            xs, raw = zip(*pts, strict=True)
+            ys = [y * panel.scale for y in raw]
             what = PEAK_MEM[run.device] if metric == "peak_mem_gb" else METRIC_NAMES.get(metric, metric)
             label = f"{split} {what}" if any(s == "val" for s, _ in panel.series) else what
             ax.plot(xs, ys, linestyle=STYLES[j], color=f"C{i if len(runs) > 1 else j}", markersize=4,
