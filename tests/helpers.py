@@ -3,11 +3,15 @@ Fixtures and pytest hooks are in conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from shardlm.distributed.launch import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT / "shardlm" / "assets" / "tinyshakespeare" / "input.txt"
@@ -66,6 +70,13 @@ def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeou
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and every process below it (torchrun's ranks start sessions of their own)."""
+    for p in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
 
 
 def records(out_dir: Path, split: str = "train") -> list[dict]:

@@ -13,8 +13,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from faults import fault
 
-from gpu_check import kill_tree
-from helpers import ROOT, python_cmd, records, shardlm_cli, tiny
+from helpers import ROOT, kill_tree, python_cmd, records, shardlm_cli, tiny
 from shardlm.checkpoint.layout import is_complete, list_checkpoints, newest_complete
 
 STEPS = 12

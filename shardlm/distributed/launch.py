@@ -114,6 +114,19 @@ def child_pids(pid: int) -> list[int]:
     return kids
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its children, theirs, ...), parents before their children; empty where there
+    is no /proc. A snapshot to signal afterwards: a process whose parent dies is re-parented, out of the tree.
+    torchrun's ranks start sessions of their own, so killing a tree takes this, not a process group."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = [k for k in child_pids(todo.pop(0)) if k != pid and k not in found]
+        found += kids
+        todo += kids
+    return found
+
+
 def main(argv: list[str]) -> int:
     """torchrun's own `run`; a failed rank becomes one line and that rank's exit code."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
