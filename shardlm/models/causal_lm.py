@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from shardlm.config import Config, nearest
 from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
 from shardlm.models.loss import linear_cross_entropy, logits_cross_entropy
 from shardlm.tokenizer import tokenizer_spec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Config keys of families that transform their logits after the head (Gemma 2 soft-caps them, Cohere and
 # Granite scale them): their loss is computed from the model's own logits, never without the transform.
@@ -33,8 +36,12 @@ def logit_transform(hf_config) -> str | None:
 
 class CausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, loss_chunk_size: int = 0):
+        from transformers import PreTrainedModel
+
         super().__init__()
-        self.hf = hf_model
+        if not isinstance(hf_model, PreTrainedModel):
+            raise TypeError(f"CausalLM wraps a transformers PreTrainedModel, not a {type(hf_model).__name__}")
+        self.hf: PreTrainedModel = hf_model
         self.loss_chunk_size = loss_chunk_size
         self.loss_fn = linear_cross_entropy  # parallelize may replace it with a compiled one
         self.full_logits = logit_transform(hf_model.config) is not None or hf_model.get_output_embeddings() is None
@@ -100,9 +107,10 @@ def scratch_config(cfg: Config, tokenizer):
     positions = m.n_positions or cfg.data.seq_len
     vocab = padded_vocab(len(tokenizer), m.vocab_multiple)
     if m.arch == "gpt2":
+        inner: dict[str, Any] = {"n_inner": m.intermediate_size} if m.intermediate_size else {}
         return GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=m.n_embd, n_layer=m.n_layer,
                           n_head=m.n_head, bos_token_id=eos, eos_token_id=eos, use_cache=False,
-                          **({"n_inner": m.intermediate_size} if m.intermediate_size else {}), **m.config_overrides)
+                          **inner, **m.config_overrides)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
 
     if m.arch not in CAUSAL_LMS:
@@ -136,6 +144,8 @@ def pretrained_config(cfg: Config):
     from transformers import AutoConfig
 
     m = cfg.model
+    if m.name is None:
+        raise ValueError("pretrained_config needs model.name (a model from scratch has scratch_config)")
     check_model_path(m.name)
     try:
         source = model_source(m.name)
@@ -162,8 +172,8 @@ def check_tokenizer(hf_cfg, tokenizer, cfg: Config) -> None:
     if vocab is not None and len(tokenizer) > vocab:
         raise ShardlmError(f"tokenizer '{name}' has {len(tokenizer)} tokens but the model's vocabulary "
                            f"holds {vocab}: use the model's own tokenizer (leave model.tokenizer unset).")
-    expected = getattr(hf_cfg, "eos_token_id", None)
-    expected = set(expected) if isinstance(expected, list) else {expected} - {None}
+    eos = getattr(hf_cfg, "eos_token_id", None)
+    expected: set[int] = set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
     if cfg.model.name is not None and expected and tokenizer.eos_token_id not in expected:
         raise ShardlmError(
             f"tokenizer '{name}' is not the tokenizer of model '{cfg.model.name}': its end-of-text id is "
@@ -267,7 +277,7 @@ def causal_sdpa_mask(**kwargs: Any) -> torch.Tensor | None:
     return sdpa_mask(**kwargs)
 
 
-def empty_model(hf_cfg, device: torch.device | str) -> nn.Module:
+def empty_model(hf_cfg, device: torch.device | str) -> PreTrainedModel:
     """The architecture with no weights loaded (on `meta` it allocates nothing)."""
     from transformers import AutoModelForCausalLM
 
@@ -290,10 +300,10 @@ def parameters_on_meta():
     """Modules built inside get their parameters on `meta` (no memory, no init work) and real buffers."""
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param) -> None:
-        register(module, name, param)
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:  # replaces the method
+        register(self, name, param)
         if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
     try:
@@ -317,7 +327,7 @@ def fill_meta_buffers(hf_model: nn.Module) -> None:
             hf_model.get_submodule(owner)._buffers[attr] = real[name]
 
 
-def initial_model(cfg: Config, hf_cfg, seed: int, **load: Any) -> nn.Module:
+def initial_model(cfg: Config, hf_cfg, seed: int, **load: Any) -> PreTrainedModel:
     """A real CPU model with the starting weights: pretrained ones, or a seeded random init. `load` goes to
     `from_pretrained` (QLoRA: its 4-bit quantization config and the device to load onto)."""
     from transformers import AutoModelForCausalLM

@@ -35,11 +35,18 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from shardlm import ShardlmError
+
+if TYPE_CHECKING:
+    from torchao.float8.float8_linear import Float8Linear
+    from transformers import PreTrainedModel
+    from transformers.pytorch_utils import Conv1D
 
 MIN_CAPABILITY = (9, 0)  # Hopper: the first NVIDIA GPUs with float8 tensor cores usable by torch._scaled_mm
 ALIGN = 16  # torch._scaled_mm needs both matrix dimensions to be multiples of 16
@@ -61,7 +68,7 @@ def check_float8(device: torch.device, compile_mode: str) -> None:
                            "as separate kernels): set parallel.compile=model or parallel.compile=blocks.")
 
 
-def convert_to_float8(hf_model: nn.Module, blocks: nn.ModuleList, fsdp: bool, emulate: bool = False) -> list[str]:
+def convert_to_float8(hf_model: PreTrainedModel, blocks: nn.ModuleList, fsdp: bool, emulate: bool = False) -> list[str]:
     """Swap, in place, the eligible linears of `hf_model` for torchao float8 training layers.
 
     Call it before activation checkpointing, torch.compile and fully_shard; it works on a `meta` model.
@@ -100,7 +107,7 @@ def after_optimizer_step(model: nn.Module) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def plain_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def plain_state_dict(state: Mapping[str, Any]) -> dict[str, Any]:
     """`state` with FSDP's float8 weight wrappers replaced by the plain tensors they hold: a full state dict
     of a float8 FSDP model holds `WeightWithDynamicFloat8CastTensor`s, which must not end up in a plain
     HF model (load_state_dict(assign=True)) or in safetensors."""
@@ -109,8 +116,9 @@ def plain_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _unwrap(t: torch.Tensor) -> torch.Tensor:
     inner = getattr(t, "_tensor", None)
-    wrapped = isinstance(inner, torch.Tensor) and type(t).__name__ == "WeightWithDynamicFloat8CastTensor"
-    return inner.detach() if wrapped else t  # outside FSDP the wrapper holds the original nn.Parameter
+    if isinstance(inner, torch.Tensor) and type(t).__name__ == "WeightWithDynamicFloat8CastTensor":
+        return inner.detach()  # outside FSDP the wrapper holds the original nn.Parameter
+    return t
 
 
 def float8_config(fsdp: bool, emulate: bool = False):
@@ -118,7 +126,7 @@ def float8_config(fsdp: bool, emulate: bool = False):
     return _torchao_float8().Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp, emulate=emulate)
 
 
-def kept_in_high_precision(hf_model: nn.Module, blocks: nn.ModuleList) -> set[int]:
+def kept_in_high_precision(hf_model: PreTrainedModel, blocks: nn.ModuleList) -> set[int]:
     """ids of the modules that must not convert: the lm_head, all of the first and the last block, and
     every module whose weight is shared with another module or place (tied embeddings stay tied)."""
     keep = {id(m) for end in (blocks[:1], blocks[-1:]) for block in end for m in block.modules()}
@@ -144,12 +152,12 @@ def eligible(module: nn.Module) -> bool:
     return False
 
 
-def is_float8(module: nn.Module) -> bool:
+def is_float8(module: nn.Module) -> TypeGuard[Float8Linear]:
     """Whether `module` is a torchao float8 training layer (Float8Linear or Float8Conv1D)."""
     return any(c.__name__ == "Float8Linear" and c.__module__.startswith("torchao.") for c in type(module).__mro__)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
+def _is_conv1d(module: nn.Module) -> TypeGuard[Conv1D]:
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -187,7 +195,7 @@ def _torchao_float8():
 
 
 @functools.cache
-def float8_conv1d_class() -> type:
+def float8_conv1d_class() -> type[Float8Linear]:
     """`Float8Conv1D`, built on first use so that shardlm imports without torchao."""
     _torchao_float8()
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
@@ -198,7 +206,7 @@ def float8_conv1d_class() -> type:
         Conv1D's layout, so it is the already-transposed operand torchao's matmul expects."""
 
         @classmethod
-        def from_conv1d(cls, mod: nn.Module, config) -> Float8Conv1D:
+        def from_conv1d(cls, mod: Conv1D, config) -> Float8Conv1D:
             with torch.device("meta"):
                 new = cls(mod.nx, mod.nf, bias=False, config=config)
             new.nf, new.nx = mod.nf, mod.nx

@@ -23,6 +23,7 @@ Design:
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, LoraConfig
 from shardlm.models.state_keys import hf_name, state_key
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ADAPTER = "default"  # PEFT's adapter name
 
@@ -60,7 +64,7 @@ def quantized(cfg: Config) -> bool:
     return enabled(cfg) and cfg.lora.quantize == "nf4"
 
 
-def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> nn.Module:
+def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> PreTrainedModel:
     """QLoRA's frozen base (`lora.quantize=nf4`): the pretrained model loaded straight onto `device` with every
     linear layer but the head in 4-bit NormalFloat with double quantization (bitsandbytes, the QLoRA paper's
     recipe), dequantized per matmul to the compute dtype of parallel.precision; norms and embeddings stay fp32
@@ -88,7 +92,9 @@ def _dequantized(state: dict, model: nn.Module) -> tuple[dict, set[str]]:
             key = state_key(name) + ".weight"
             for extra in [k for k in out if k.startswith(key + ".")]:
                 del out[extra]
-            out[key] = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float().cpu()
+            # bitsandbytes types Linear4bit.weight as nn.Linear's Tensor; it always holds a Params4bit
+            weight = cast(bnb.nn.Params4bit, module.weight)
+            out[key] = bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float().cpu()
             keys.add(key)
     return out, keys
 
@@ -112,14 +118,14 @@ def linear_types() -> tuple[type, ...]:
     return (nn.Linear, Conv1D)
 
 
-def linear_names(hf_model: nn.Module) -> list[str]:
+def linear_names(hf_model: PreTrainedModel) -> list[str]:
     """Last names of the Linear / Conv1D layers LoRA can target (not the output head), sorted (for messages)."""
     head = hf_model.get_output_embeddings()
     return sorted({name.rsplit(".", 1)[-1] for name, m in hf_model.named_modules()
                    if isinstance(m, linear_types()) and name and m is not head})
 
 
-def default_targets(hf_model: nn.Module) -> list[str]:
+def default_targets(hf_model: PreTrainedModel) -> list[str]:
     """The attention and MLP projections: every Linear / Conv1D inside the transformer blocks."""
     from shardlm.models.causal_lm import transformer_blocks
 
@@ -134,7 +140,7 @@ def _matches(name: str, targets: list[str]) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
-def targets_of(hf_model: nn.Module, lc: LoraConfig) -> list[str]:
+def targets_of(hf_model: PreTrainedModel, lc: LoraConfig) -> list[str]:
     """The target names, checked: each must match at least one Linear / Conv1D layer."""
     targets = list(lc.target_modules) if lc.target_modules is not None else default_targets(hf_model)
     linears = [n for n, m in hf_model.named_modules() if isinstance(m, linear_types()) and n]
@@ -152,17 +158,19 @@ def targets_of(hf_model: nn.Module, lc: LoraConfig) -> list[str]:
     return targets
 
 
-def peft_config(hf_model: nn.Module, lc: LoraConfig):
+def peft_config(hf_model: PreTrainedModel, lc: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
     from transformers.pytorch_utils import Conv1D
 
     targets = targets_of(hf_model, lc)
     conv1d = any(isinstance(m, Conv1D) and _matches(n, targets) for n, m in hf_model.named_modules())
-    return PeftLoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
+    return PeftLoraConfig(r=lc.r,
+                          lora_alpha=lc.alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float only scales (alpha / r)
+                          lora_dropout=lc.dropout, target_modules=targets,
                           bias="none", task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
 
 
-def peft_model(hf_model: nn.Module, lc: LoraConfig):
+def peft_model(hf_model: PreTrainedModel, lc: LoraConfig):
     """A `peft.PeftModel` around `hf_model` (adapters injected in place; on meta they stay on meta)."""
     import warnings
 
@@ -175,7 +183,7 @@ def peft_model(hf_model: nn.Module, lc: LoraConfig):
         return get_peft_model(hf_model, config, low_cpu_mem_usage=meta)
 
 
-def apply(hf_model: nn.Module, lc: LoraConfig, seed: int | None = None) -> nn.Module:
+def apply(hf_model: PreTrainedModel, lc: LoraConfig, seed: int | None = None) -> PreTrainedModel:
     """Inject the adapters into `hf_model` in place, freeze everything else; returns `hf_model`.
 
     With `seed`, the adapter init is drawn from `torch.manual_seed(seed)` (the same on every launch layout).
