@@ -5,13 +5,18 @@ tests). Sharded weights meet here with the model's own key names and folds (fp8 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
 from shardlm.models.causal_lm import empty_model, fill_meta_buffers
 from shardlm.models.state_keys import to_hf
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> nn.Module | None:
+
+def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> PreTrainedModel | None:
     """A plain HF model with the trained weights, on rank 0 (None elsewhere).
 
     Shards stream to rank 0's CPU one tensor at a time (no GPU ever holds the whole model).
@@ -40,4 +45,5 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> n
     fill_meta_buffers(hf)  # non-persistent buffers (rotary tables) are in no state dict
     hf.tie_weights()
     hf.config.use_cache = True
-    return hf.to(device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose typeshed type does not bind `self`
+    return hf.to(device).eval()  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from shardlm import ShardlmError
 from shardlm.config import Config
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
-from shardlm.models.causal_lm import transformer_blocks
+from shardlm.models.causal_lm import CausalLM, transformer_blocks
 
 # strategy -> (hybrid 2-D mesh?, reshard_after_forward). no_shard is a 2-D mesh whose shard dim is 1.
 STRATEGIES = {
@@ -147,7 +147,7 @@ def device_mesh(pl: Plan, device: torch.device):
     return init_device_mesh(device.type, pl.mesh_shape, mesh_dim_names=names)
 
 
-def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Module:
+def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module:
     """fp8 conversion -> AC -> compile blocks -> fully_shard (per block, then root) -> compile. Returns `model`.
 
     `compile=model` without FSDP compiles the whole model, loss included, as one graph (fastest measured).
@@ -193,29 +193,31 @@ def parallelize(model: nn.Module, cfg: Config, pl: Plan, dist: Dist) -> nn.Modul
 def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: Dist) -> None:
     """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch. As in
     torchtitan, the last block stays gathered after its forward (its backward comes next)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
     kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
     if pl.dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
     if cfg.parallel.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    sharded: list[FSDPModule] = []  # the blocks themselves, as fully_shard returns them
     for i, block in enumerate(blocks):
         # the last block's backward starts right after its forward: keeping it gathered saves re-gathering it
         last = i == len(blocks) - 1
-        fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last})
+        sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))
     fully_shard(model, **kwargs)
     if cfg.parallel.prefetch > 0 and len(blocks) > 1:
         depth = cfg.parallel.prefetch
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(list(blocks[i + 1: i + 1 + depth]))
-            block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - depth): i])))
+        for i, unit in enumerate(sharded):
+            unit.set_modules_to_forward_prefetch(sharded[i + 1: i + 1 + depth])
+            unit.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - depth): i])))
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Skip reduce-scatter/all-reduce on non-final micro-steps of gradient accumulation."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
+    sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's; an unsharded model has none
+    if sync is not None:
+        sync(enabled)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
@@ -229,11 +231,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.de
     from torch.distributed.tensor import DTensor, Shard
 
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads or not isinstance(grads[0], DTensor):
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    if not grads or len(sharded) < len(grads):  # FSDP2 shards every parameter: all DTensors or none
         return torch.nn.utils.clip_grad_norm_(params, max_norm).to(device)
     total = torch.zeros((), dtype=torch.float32, device=device)
-    by_layout: dict[tuple, list[torch.Tensor]] = {}
-    for g in grads:
+    by_layout: dict[tuple, list[DTensor]] = {}
+    for g in sharded:
         by_layout.setdefault((g.device_mesh, g.placements), []).append(g)
     for (mesh, placements), group in by_layout.items():
         local = [g._local_tensor for g in group]
@@ -245,7 +248,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.de
     norm = total.sqrt()
     if max_norm != float("inf"):
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        local = [g._local_tensor for g in grads]
+        local = [g._local_tensor for g in sharded]
         torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
     return norm
 
@@ -260,7 +263,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
     each shard is the update of the whole tensor. Local tensors that are not plain tensors (float8 weights)
     keep the DTensor path."""
 
-    def _init_group(self, group, *lists):  # type: ignore[no-untyped-def, override]
+    def _init_group(self, group, *lists):
         from torch.distributed.tensor import DTensor
 
         has_complex = super()._init_group(group, *lists)
