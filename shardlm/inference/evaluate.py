@@ -52,7 +52,7 @@ class EvalProgress:
     def __init__(self, total: int, steps: int, every_s: float = 10.0):
         self.total, self.done, self.steps, self.step, self.every_s = total, 0, steps, 0, every_s
         self.start = time.perf_counter()
-        self.last = None
+        self.last: float | None = None
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -86,7 +86,7 @@ def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int) -> tup
     head = model.get_output_embeddings()
     loss, correct = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), chunk,
                                          getattr(head, "bias", None))
-    return loss.item(), correct.item(), int((targets != IGNORE).sum())
+    return float(loss.item()), int(correct.item()), int((targets != IGNORE).sum())
 
 
 def evaluate_blocks(model, blocks: TokenBlocks | MixtureBlocks, batch: int, max_batches: int, chunk: int) -> dict:
@@ -212,7 +212,9 @@ def describe_generation(g: dict) -> str:
 def log_generation(ckpt: Path | None, g: dict) -> None:
     """Appends the numbers to the run's metrics.jsonl (split "gen", the checkpoint's step), so `shardlm plot`
     draws them; an exported folder has no run to append to."""
-    run = run_dir_of(ckpt) if ckpt is not None else None
+    if ckpt is None:
+        return
+    run = run_dir_of(ckpt)
     if run is None or not metrics_file(run).is_file():
         return
     step = read_manifest(ckpt).get("step")

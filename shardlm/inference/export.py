@@ -184,7 +184,7 @@ def _val_loss(record: dict | None, cfg) -> str | None:
     from shardlm.observe.metrics import held_out_words
 
     loss = _loss(record)
-    if loss is None or not isinstance(record.get("tokens"), int):
+    if record is None or loss is None or not isinstance(record.get("tokens"), int):
         return loss
     return f"{loss}, {held_out_words(record['tokens'], record.get('held_out_tokens'), cfg and cfg.train.eval_batches)}"
 

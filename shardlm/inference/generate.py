@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 from torch import nn
@@ -22,9 +22,12 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.models.causal_lm import context_length
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 @torch.no_grad()
-def generate_batch(hf_model: nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int,
+def generate_batch(hf_model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int, eos: int,
                    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_samples: int = 1,
                    pad: int | None = None, streamer=None) -> list[list[list[int]]]:
     """For each prompt, the new tokens of each of its samples, cut after the first EOS (unseeded: see
@@ -39,17 +42,24 @@ def generate_batch(hf_model: nn.Module, prompts: list[list[int]], max_new_tokens
     cache is rebuilt, their tokens are the same). Rows that reach EOS or `max_new_tokens` (or that
     `generate` stopped for another reason) leave the batch.
     """
+    from transformers import GenerationMixin
+
     greedy = temperature <= 0
     copies = 1 if greedy else num_samples
     rows = [list(ids) for ids in prompts for _ in range(copies)]
     if not rows or max_new_tokens <= 0:
         return [[[] for _ in range(num_samples)] for _ in prompts]
-    if pad is None or not 0 <= pad < hf_model.get_input_embeddings().num_embeddings:
+    if not isinstance(hf_model, GenerationMixin):  # every causal LM class of transformers is one
+        raise ShardlmError(f"{type(hf_model).__name__} cannot generate text: it has no generate() (not a causal LM)")
+    embeddings = hf_model.get_input_embeddings()
+    vocab = embeddings.num_embeddings if isinstance(embeddings, nn.Embedding) else hf_model.config.vocab_size
+    if pad is None or not 0 <= pad < vocab:
         pad = eos  # where the tokenizer has no pad token, or one the model has no embedding for
     device = next(hf_model.parameters()).device
     context = max(2, context_length(hf_model.config) or max(map(len, rows)) + max_new_tokens)
-    sampling = {} if greedy else {"temperature": temperature, "top_k": top_k or None, "top_p": top_p}
-    starts, new = [0] * len(rows), [[] for _ in rows]
+    sampling: dict[str, Any] = {} if greedy else {"temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+    starts = [0] * len(rows)
+    new: list[list[int]] = [[] for _ in rows]
     active = list(range(len(rows)))
     while active:
         for i in active:
@@ -60,9 +70,11 @@ def generate_batch(hf_model: nn.Module, prompts: list[list[int]], max_new_tokens
         steps = min(min(max_new_tokens - len(new[i]) for i in active), context - width)
         ids = torch.tensor([[pad] * (width - len(w)) + w for w in windows], device=device)
         mask = torch.tensor([[0] * (width - len(w)) + [1] * len(w) for w in windows], device=device)
-        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=not greedy,
-                                pad_token_id=pad, eos_token_id=eos, use_cache=True, streamer=streamer,
-                                **sampling)[:, width:].tolist()
+        # transformers types generate's `self` as a Protocol (for the ty checker) that mypy finds no
+        # PreTrainedModel satisfies: a gap in its annotations, the model is a GenerationMixin (checked above)
+        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps,  # type: ignore[misc]
+                                do_sample=not greedy, pad_token_id=pad, eos_token_id=eos, use_cache=True,
+                                streamer=streamer, **sampling)[:, width:].tolist()
         still = []
         for i, tokens in zip(active, out, strict=True):
             tokens = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
@@ -75,7 +87,7 @@ def generate_batch(hf_model: nn.Module, prompts: list[list[int]], max_new_tokens
     return [group * num_samples if greedy else group for group in grouped]
 
 
-def generate_tokens(hf_model: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos: int,
+def generate_tokens(hf_model: PreTrainedModel, prompt_ids: list[int], max_new_tokens: int, eos: int,
                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                     num_samples: int = 1) -> list[list[int]]:
     """The new tokens of each sample of one prompt, seeded (see `generate_batch`)."""
@@ -177,7 +189,7 @@ class Sample:
     shown: str = ""  # `text` for people: `readable`
 
 
-def iter_samples(hf_model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int = 100,
+def iter_samples(hf_model: PreTrainedModel, tokenizer, prompts: list[str], max_new_tokens: int = 100,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  num_samples: int = 1, batch_size: int = 8, stream: TextIO | None = None) -> Iterator[Sample]:
     """The samples of each prompt in order, generated `batch_size` prompts at a time (seeded once).
@@ -200,7 +212,7 @@ def iter_samples(hf_model: nn.Module, tokenizer, prompts: list[str], max_new_tok
                 yield Sample(prompt, k, text, continuation, len(new), readable(tokenizer, p_ids + new))
 
 
-def generate_text(hf_model: nn.Module, tokenizer, prompt: str, max_new_tokens: int = 100,
+def generate_text(hf_model: PreTrainedModel, tokenizer, prompt: str, max_new_tokens: int = 100,
                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                   num_samples: int = 1) -> list[str]:
     """Samples, prompt included, `readable`: for people, as the sample at the end of training (see `generate_batch`)."""

@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.checkpoint import provenance
@@ -25,6 +25,9 @@ from shardlm.checkpoint.layout import read_config, read_hf_config, read_manifest
 from shardlm.config import Config, LoraConfig
 from shardlm.models.causal_lm import fill_meta_buffers
 from shardlm.models.state_keys import CHECKPOINT, checkpoint_key, to_hf
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -47,9 +50,12 @@ def load_lora_checkpoint(ckpt: Path, cfg: Config):
 
     manifest = manifest_of(ckpt)
     saved = manifest.get("base") or {}
-    if provenance.local_base(cfg.model.name) is None and saved.get("path") and Path(saved["path"]).is_dir():
-        cfg.model.name = saved["path"]  # e.g. a relative model.name, read from another working directory
-    provenance.check_base(saved, provenance.base_identity(cfg.model.name, saved), ckpt, what="load it")
+    name = cfg.model.name
+    if name is None:  # the config check refuses LoRA without a pretrained base
+        raise ShardlmError(f"checkpoint {ckpt} holds a LoRA adapter but its config names no base (model.name)")
+    if provenance.local_base(name) is None and saved.get("path") and Path(saved["path"]).is_dir():
+        cfg.model.name = name = saved["path"]  # e.g. a relative model.name, read from another working directory
+    provenance.check_base(saved, provenance.base_identity(name, saved), ckpt, what="load it")
     hf_config = read_hf_config(ckpt)
     base = initial_model(cfg, hf_config, cfg.train.seed)
     model = lora.peft_model(base, cfg.lora)
@@ -85,7 +91,7 @@ def load_adapter_folder(path: Path, trust_remote_code: bool = False):
     return model, AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
 
 
-def load_checkpoint_model(ckpt: Path) -> nn.Module:
+def load_checkpoint_model(ckpt: Path) -> PreTrainedModel:
 
     from shardlm.models.causal_lm import empty_model
 
@@ -113,6 +119,7 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
     path = Path(path).expanduser()
     if not path.exists():
         raise ShardlmError(f"'{path}' does not exist: give a checkpoint, a run dir or an exported HF folder.")
+    model: PreTrainedModel
     if is_hf_folder(path):
         model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
                                                      dtype=torch.float32)
@@ -133,7 +140,8 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(ckpt)), trust_remote_code=trust_remote_code)
     model.config.use_cache = True
     fill_meta_buffers(model)
-    return model.to(device).eval(), tokenizer, cfg, ckpt
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose typeshed type does not bind `self`
+    return model.to(device).eval(), tokenizer, cfg, ckpt  # type: ignore[arg-type]
 
 
 def inference_config(cfg: Config | None) -> Config:
