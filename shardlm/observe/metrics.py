@@ -114,7 +114,7 @@ class MetricsLog:
         self.last_step: int | None = None
 
     def write(self, record: dict) -> None:
-        if not self.enabled:
+        if self.file is None:  # not rank 0
             return
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.file.write(json.dumps(record) + "\n")
