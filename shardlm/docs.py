@@ -10,8 +10,8 @@ import re
 import sys
 from pathlib import Path
 
-from shardlm import config as config_module
 from shardlm.config import KEY_ALIASES, Config, all_keys, to_flat_dict
+from shardlm.config import schema as config_module
 
 BEGIN, END = "<!-- config-reference:begin -->", "<!-- config-reference:end -->"
 

@@ -1,0 +1,143 @@
+"""Checks of a config that need no hardware or world size (those that do live in
+shardlm.distributed.parallelize.plan): choices with the nearest valid one, ranges, mixtures, LoRA."""
+
+from __future__ import annotations
+
+import math
+
+from shardlm import ShardlmError
+from shardlm.config.schema import (
+    ATTENTION_CHOICES,
+    CHOICE_HINTS,
+    COMPILES,
+    LAUNCHERS,
+    PRECISIONS,
+    SHARDING_ALIASES,
+    SHARDINGS,
+    Config,
+)
+from shardlm.config.suggest import nearest
+
+
+def _sharding_key(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "")
+
+
+def canonical_sharding(name: str) -> str:
+    """shardlm's name for a sharding strategy given in any case, or as a ZeRO / FSDP1 name; else unchanged."""
+    canonical = {_sharding_key(s): s for s in SHARDINGS}
+    key = _sharding_key(name)
+    return canonical.get(key) or SHARDING_ALIASES.get(key, name)
+
+
+def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ShardlmError(f"{name} must be {bound}, got {value}.")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no hardware or world size; those that do live in shardlm.distributed.parallelize.plan."""
+    for name, value, choices in (
+        ("parallel.sharding", cfg.parallel.sharding, SHARDINGS),
+        ("parallel.precision", cfg.parallel.precision, PRECISIONS),
+        ("parallel.launcher", cfg.parallel.launcher, LAUNCHERS),
+        ("parallel.compile", cfg.parallel.compile, COMPILES),
+        ("parallel.device", cfg.parallel.device, ("auto", "cpu", "cuda", "xla")),
+        ("log.progress", cfg.log.progress, ("auto", "bar", "lines", "none")),
+    ):
+        if value not in choices:
+            raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{nearest(value, choices)}"
+                               + CHOICE_HINTS.get(name, ""))
+    t = cfg.train
+    _positive("train.batch_size", t.batch_size)
+    _positive("train.grad_accum", t.grad_accum)
+    _positive("data.seq_len", cfg.data.seq_len)
+    _positive("train.epochs", t.epochs, allow_zero=True)
+    if t.max_steps is not None:
+        _positive("train.max_steps", t.max_steps, allow_zero=True)
+    _positive("train.lr", t.lr)
+    _positive("train.log_every", t.log_every)
+    _positive("train.gen_samples", t.gen_samples)
+    for name in ("eval_every", "eval_batches", "warmup_steps", "max_bad_steps", "gen_every"):
+        _positive(f"train.{name}", getattr(t, name), allow_zero=True)
+    if t.loss_chunk_size is not None:
+        _positive("train.loss_chunk_size", t.loss_chunk_size, allow_zero=True)
+    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("parallel.shard_size", cfg.parallel.shard_size, allow_zero=True)
+    _positive("model.vocab_multiple", cfg.model.vocab_multiple)
+    if cfg.checkpoint.export_final and not cfg.checkpoint.save_final:
+        raise ShardlmError("checkpoint.export_final=true exports the final checkpoint: it needs "
+                           "checkpoint.save_final=true (or run `shardlm export` on a checkpoint later).")
+    _check_mixture(cfg)
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ShardlmError(f"data.val_fraction must be between 0 and 1, got {cfg.data.val_fraction}.")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ShardlmError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}.")
+    _check_lora(cfg)
+    m = cfg.model
+    if m.attention not in ATTENTION_CHOICES:
+        raise ShardlmError(f"model.attention={m.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}."
+                           f"{nearest(m.attention, ATTENTION_CHOICES)}")
+    if m.name is None:
+        _positive("model.n_layer", m.n_layer)
+        _positive("model.n_embd", m.n_embd)
+        _positive("model.n_head", m.n_head)
+        if m.n_embd % m.n_head:
+            raise ShardlmError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}.")
+        if m.n_kv_head is not None and (m.n_kv_head <= 0 or m.n_head % m.n_kv_head):
+            raise ShardlmError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value "
+                               "head serves a group of query heads): choose a divisor, or null for n_head.")
+        if m.n_positions is not None and cfg.data.seq_len > m.n_positions:
+            raise ShardlmError(
+                f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
+                f"lower data.seq_len or raise model.n_positions."
+            )
+
+
+def _check_mixture(cfg: Config) -> None:
+    """A list data.train is a mixture; data.weights, if given, has one weight >= 0 per source, not all 0."""
+    train, weights = cfg.data.train, cfg.data.weights
+    if isinstance(train, list) and not train:
+        raise ShardlmError("data.train is an empty list: give one source, or a list of sources to mix.")
+    if weights is None:
+        return
+    if not isinstance(train, list):
+        raise ShardlmError(f"data.weights applies to a mixture, but data.train is one source ({train!r}): give "
+                           "data.train a list of sources ('data.train=[a.txt,b.parquet]') or set data.weights=null.")
+    if len(weights) != len(train):
+        n = len(weights)
+        raise ShardlmError(f"data.weights has {n} weight{'s' * (n != 1)} but data.train lists {len(train)} sources: "
+                           "give one weight per source, or data.weights=null to weight them by their sizes.")
+    for i, w in enumerate(weights):
+        if not (math.isfinite(w) and w >= 0):
+            raise ShardlmError(f"data.weights[{i}] is {w}: weights must be finite and >= 0 (0 = leave a source out).")
+    if not any(weights):
+        raise ShardlmError("data.weights are all 0: give at least one source a positive weight.")
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA settings; QLoRA's need for CUDA is checked with the device (shardlm.models.lora.check)."""
+    lora = cfg.lora
+    _positive("lora.r", lora.r, allow_zero=True)
+    if lora.quantize not in (None, "nf4"):
+        raise ShardlmError(f"lora.quantize={lora.quantize!r} is not one of nf4, null.")
+    if lora.r == 0:
+        if lora.quantize:
+            raise ShardlmError(f"lora.quantize={lora.quantize} quantizes the frozen base of a LoRA run: set lora.r "
+                               "(e.g. lora.r=16) or lora.quantize=null.")
+        return
+    _positive("lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ShardlmError(f"lora.dropout must be in [0, 1), got {lora.dropout}.")
+    if cfg.model.name is None:
+        raise ShardlmError("lora.r > 0 adapts a pretrained model, but model.name is null (from scratch): set "
+                           "model.name to a hub name or folder, or lora.r=0 to train every weight.")
+    if cfg.parallel.precision == "fp8":
+        raise ShardlmError("lora.r > 0 with parallel.precision=fp8 is not supported (float8 linears do not wrap "
+                           "PEFT's adapter layers). Use parallel.precision=bf16 (or fp32) for LoRA.")
+    if lora.target_modules is not None and not lora.target_modules:
+        raise ShardlmError("lora.target_modules is an empty list: give module names (e.g. [q_proj, v_proj]) or "
+                           "null for every attention and MLP projection.")

@@ -1,0 +1,154 @@
+"""The run configuration's schema: nested dataclasses, one per section, each field with its default and a
+trailing comment that the config reference (docs/config.md, shardlm.docs) is generated from."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+SHARDINGS = ("full", "grad_op", "no_shard", "hybrid_full", "hybrid_grad")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+COMPILES = ("auto", "model", "blocks", "false")
+LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
+# `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+# ZeRO stages and FSDP1 / HF Trainer names (docs/distributed.md's table), keyed like `_sharding_key` spells them.
+SHARDING_ALIASES = {
+    "zero3": "full", "fullshard": "full",
+    "zero2": "grad_op", "shardgradop": "grad_op",
+    "zero0": "no_shard", "ddp": "no_shard",
+    "hybridshard": "hybrid_full", "hybridshardzero2": "hybrid_grad",
+}
+CHOICE_HINTS = {"parallel.sharding": " ZeRO / FSDP1 names work too: zero3 or FULL_SHARD = full, zero2 or "
+                                     "SHARD_GRAD_OP = grad_op, zero0, ddp or NO_SHARD = no_shard, "
+                                     "HYBRID_SHARD = hybrid_full, hybrid_shard_zero2 = hybrid_grad."}
+
+
+# auto, or the transformers attn_implementation used as given (sdpa: transformers' own masks)
+ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+@dataclass
+class ModelConfig:
+    name: str | None = None  # hub name or local HF folder; None = from scratch
+    arch: str = "gpt2"  # from scratch: an HF model_type (gpt2, llama, qwen2, mistral, ...)
+    n_layer: int = 4  # transformer blocks (from scratch)
+    n_head: int = 4  # attention heads (from scratch)
+    n_kv_head: int | None = None  # key/value heads for grouped-query attention (from scratch); None = n_head
+    n_embd: int = 192  # model width (from scratch)
+    intermediate_size: int | None = None  # MLP width (from scratch); None = the family's default
+    n_positions: int | None = None  # context length (from scratch); None = data.seq_len, every position trained
+    vocab_multiple: int = 1  # from scratch: pad the vocabulary to a multiple of this (64 on GPUs: aligned lm_head)
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # any other HF config fields (from scratch)
+    dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
+    attention: str = "auto"  # auto = SDPA (causal kernels, no mask), else eager; or sdpa, eager, flash_attention_2, ...
+    tokenizer: str | None = None  # None = the model's own, bytes from scratch; or bytes, gpt2, a folder, a hub name
+    trust_remote_code: bool = False  # allow Hub models that ship their own code (off: safe by default)
+
+
+@dataclass
+class LoraConfig:
+    r: int = 0  # LoRA rank; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # LoRA scaling numerator (scale = alpha / r)
+    dropout: float = 0.0  # dropout on the LoRA path
+    target_modules: list[str] | None = None  # module names to adapt; None (or all-linear) = every linear of the blocks
+    quantize: str | None = None  # nf4 = QLoRA (bitsandbytes, CUDA only); None = base weights in parallel.precision
+
+
+@dataclass
+class DataConfig:
+    train: str | list[str] = "shakespeare"  # file, folder, "hf:name[/config][:split]", "shakespeare"; list = mixture
+    weights: list[float] | None = None  # sampling weight of each source of a list data.train; None = their sizes
+    val: str | None = None  # None = hold out `val_fraction` of train
+    val_fraction: float = 0.1  # tail of data.train held out for validation when data.val is null
+    seq_len: int = 128  # tokens per packed training block
+    text_field: str = "text"  # column of .csv / field of .jsonl / HF dataset column
+    hf_rows_are_documents: bool = True  # False for line-per-row datasets such as wikitext (no EOS per row)
+    cache_dir: str | None = None  # token cache; None = ~/.cache/shardlm (or $SHARDLM_CACHE)
+    data_files: Any = None  # for hf:json / hf:parquet / hf:csv / hf:text: a path, glob, list, or {split: files}
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 32  # per-device micro-batch, in blocks of seq_len tokens
+    grad_accum: int = 1  # micro-batches per optimizer step (no gradient sync until the last)
+    max_steps: int | None = None  # wins over epochs when set; 0 = evaluate only
+    epochs: float = 2.0  # passes over data.train when max_steps is null; 0 = evaluate only; 3 when fine-tuning
+    lr: float = 3e-3  # peak learning rate (AdamW); fine-tuning (model.name set): 5e-5, with LoRA (lora.r > 0) 2e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20  # linear warmup, then cosine decay; 0 when fine-tuning
+    weight_decay: float = 0.1  # AdamW decay on matrices; biases, norms get none; 0.0 when fine-tuning
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # 0 = off
+    eval_every: int = 50  # steps between validations; 0 = only at the end
+    eval_batches: int = 8  # micro-batches per rank per evaluation; 0 = the whole validation set
+    log_every: int = 25  # steps between training records and console lines
+    seed: int = 1337  # init, data order and dropout
+    loss_chunk_size: int | None = None  # tokens per lm_head/loss chunk; 0 = plain full-logits loss; null = auto
+    max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
+    sample_tokens: int = 200  # tokens generated at the end of training as a sample; 0 = none
+    sample_prompt: str = "\n"  # prompt of that sample
+    gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
+    gen_samples: int = 32  # held-out prompts sampled for those metrics
+
+
+@dataclass
+class ParallelConfig:
+    sharding: str = "full"  # full | grad_op | no_shard | hybrid_full | hybrid_grad
+    shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (params/compute; gradients reduce in fp32; fp8 = Hopper+)
+    fsdp: bool | None = None  # null = FSDP2 when world size > 1 or cpu_offload; true = also on one rank
+    cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    compile: str = "auto"  # model (whole model + loss), blocks (each block), false; auto = model on CUDA, else false
+    prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
+    device: str = "auto"  # auto (cuda if visible; xla if PJRT_DEVICE names an accelerator), cpu, cuda or xla
+    launcher: str = "auto"  # auto, torchrun, slurm, mpi or single
+    timeout_s: int = 600  # collective timeout: a dead rank brings the others down after this
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2  # complete checkpoints kept (newest first)
+    resume: str = "auto"  # auto (newest in out_dir), none, or a checkpoint / run dir path
+    async_save: bool = False  # DCP async save: training goes on while shards are written
+    export_final: bool = False  # write a Hugging Face folder to OUT_DIR/hf at the end
+    save_final: bool = True  # checkpoint when training ends
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True  # also write TensorBoard scalars to OUT_DIR/tensorboard
+    progress: str = "auto"  # auto (bar on a terminal, lines otherwise), bar, lines or none
+    wandb: bool = False  # also log to Weights & Biases (`pip install shardlm[wandb]`; WANDB_MODE=offline works)
+    mlflow: bool = False  # also log to MLflow (`pip install shardlm[mlflow]`)
+    project: str = "shardlm"  # W&B project / MLflow experiment
+    run_name: str | None = None  # W&B / MLflow run name; None = the out_dir's folder name
+    entity: str | None = None  # W&B team or user; None = your default
+    mlflow_uri: str | None = None  # MLflow tracking URI; None = a local file store in OUT_DIR/mlruns
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    out_dir: str = "runs/default"  # metrics, config, checkpoints and exports of the run
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> dict[str, dataclasses.Field]:
+    """Every dotted leaf key of the config, mapped to its dataclass field."""
+    keys: dict[str, dataclasses.Field] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            keys.update(all_keys(f.default_factory, prefix + f.name + "."))
+        else:
+            keys[prefix + f.name] = f
+    return keys
