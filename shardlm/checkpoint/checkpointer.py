@@ -71,7 +71,7 @@ class Checkpointer:
         self.pending: tuple[Any, Path, Path, int, float] | None = None  # (future, tmp, final, step, began)
         self.signal_received = False
         self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
-        self.lora = lora.enabled(run_config)
+        self.lora = lora.enabled(run_config.lora)
         self._base: dict | None = None  # the LoRA base's identity, computed once
         # An async save's collectives run in DCP's background thread: on the training group they would interleave
         # with the step's all-reduces (ranks hung for the timeout). Its own gloo group, made on every rank here.
@@ -184,7 +184,7 @@ class Checkpointer:
         the rename). tests/faults.py stops a run here to leave a torn checkpoint behind."""
         manifest = {"step": step, "world_size": self.dist.world_size, "shardlm_version": __version__,
                     "arch": arch_of(self.hf_config), "saved_at": time.time(),
-                    "save_seconds": time.perf_counter() - began, "lora": lora.describe(self.run_config)}
+                    "save_seconds": time.perf_counter() - began, "lora": lora.describe(self.run_config.lora)}
         if self.lora:
             manifest["base"] = self.base_identity()
         (tmp / layout.MANIFEST).write_text(json.dumps(manifest, indent=1))

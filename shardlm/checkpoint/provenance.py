@@ -150,11 +150,11 @@ def _spelled(targets: list[str] | None) -> str:
 def check_lora(manifest: dict, cfg, path: Path, base: dict | None) -> None:
     """A LoRA checkpoint resumes only as LoRA (same rank) on the same base; a full one only as full."""
     saved = manifest.get("lora")
-    if saved and not lora.enabled(cfg):
+    if saved and not lora.enabled(cfg.lora):
         raise ShardlmError(f"checkpoint {path} holds a LoRA adapter (lora.r={saved['r']}), but this run has lora.r=0 "
                            f"(full fine-tuning). Set lora.r={saved['r']} to resume it, or use a new out_dir or "
                            "checkpoint.resume=none.")
-    if not saved and lora.enabled(cfg):
+    if not saved and lora.enabled(cfg.lora):
         raise ShardlmError(f"checkpoint {path} holds a full fine-tuning run, but this run has lora.r={cfg.lora.r}. "
                            "Set lora.r=0 to resume it, or use a new out_dir or checkpoint.resume=none.")
     if saved:

@@ -62,7 +62,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         raise ShardlmError(f"model.attention={cfg.model.attention} trains on CUDA GPUs only (on {device.type} it "
                            "has no kernels or no backward); use model.attention=auto.")
     compile_ = compile_mode(p.compile, device)
-    if p.compile == "auto" and lora.quantized(cfg):
+    if p.compile == "auto" and lora.quantized(cfg.lora):
         compile_ = "false"  # bitsandbytes' 4-bit matmuls are not verified under torch.compile here
     if p.precision == "fp8":
         from shardlm.models.fp8 import check_float8

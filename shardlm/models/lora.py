@@ -38,13 +38,13 @@ if TYPE_CHECKING:
 ADAPTER = "default"  # PEFT's adapter name
 
 
-def enabled(cfg: Config) -> bool:
-    return cfg.lora.r > 0
+def enabled(lc: LoraConfig) -> bool:
+    return lc.r > 0
 
 
-def check(cfg: Config, device: torch.device | None = None, sharded: bool = False) -> None:
+def check(lc: LoraConfig, device: torch.device | None = None, sharded: bool = False) -> None:
     """QLoRA's refusals that depend on the device and the plan (the settings are checked with the config)."""
-    if not quantized(cfg):
+    if not quantized(lc):
         return
     cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
     if not cuda:
@@ -60,8 +60,8 @@ def check(cfg: Config, device: torch.device | None = None, sharded: bool = False
                            "GPUs with lora.quantize=null, parallel.precision=bf16 and parallel.sharding=full.")
 
 
-def quantized(cfg: Config) -> bool:
-    return enabled(cfg) and cfg.lora.quantize == "nf4"
+def quantized(lc: LoraConfig) -> bool:
+    return enabled(lc) and lc.quantize == "nf4"
 
 
 def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> PreTrainedModel:
@@ -245,10 +245,9 @@ def _merged(state: dict, scale: float, transpose: bool) -> dict:
     return out
 
 
-def describe(cfg: Config) -> dict | None:
+def describe(lc: LoraConfig) -> dict | None:
     """What the manifest records about LoRA (None for full fine-tuning)."""
-    if not enabled(cfg):
+    if not enabled(lc):
         return None
-    lc = cfg.lora
     return {"r": lc.r, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": lc.target_modules}
 

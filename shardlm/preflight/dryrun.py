@@ -68,11 +68,11 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
                                      "(it downloads when online)"]
         raise
     model = empty_model(hf_cfg, "meta")
-    if lora.enabled(cfg):
+    if lora.enabled(cfg.lora):
         lora.apply(model, cfg.lora)
     n, trainable = num_params(model), num_params(model, trainable_only=True)
     what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
-    adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg) else ""
+    adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg.lora) else ""
     return tokenizer, hf_cfg, [f"model: {what}, {n / 1e6:.2f}M parameters{adapters}; tokenizer "
                                f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
 
@@ -86,7 +86,7 @@ def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
     if path is None:
         return []
     manifest = check_resumable(path, cfg, hf_cfg, lambda known: base_identity(cfg.model.name, known)
-                               if lora.enabled(cfg) and cfg.model.name else None)
+                               if lora.enabled(cfg.lora) and cfg.model.name else None)
     return [f"resume: {path} (step {manifest['step']})"]
 
 
@@ -156,7 +156,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     tracking.require(cfg.log)
     device = _device(cfg)
     pl = plan(cfg, world_size, world_size, device)
-    lora.check(cfg, device, sharded=pl.use_fsdp)
+    lora.check(cfg.lora, device, sharded=pl.use_fsdp)
     check_out_dir(cfg.out_dir)
     tokenizer, hf_cfg, model_lines = _model(cfg)
     d = cfg.data

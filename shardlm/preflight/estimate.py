@@ -57,7 +57,7 @@ def four_bit_params(blocks: torch.nn.ModuleList) -> int:
 
 def _meta_model(cfg: Config, hf_cfg):
     model = empty_model(hf_cfg, "meta")
-    if lora.enabled(cfg):
+    if lora.enabled(cfg.lora):
         lora.apply(model, cfg.lora)
     return model
 
@@ -119,7 +119,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
     on_device = 0.0 if p.cpu_offload else 1.0
     comp: dict[str, float] = {}
-    four_bit = four_bit_params(blocks) if lora.quantized(cfg) else 0
+    four_bit = four_bit_params(blocks) if lora.quantized(cfg.lora) else 0
     comp["parameters (fp32, sharded)"] = 4 * (total - four_bit) / shard * on_device
     if four_bit:
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
@@ -168,8 +168,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
-    lines = ["QLoRA runs in one process on one GPU: estimated for 1 rank"] if lora.quantized(cfg) else []
-    for w in [1] if lora.quantized(cfg) else world_sizes:
+    lines = ["QLoRA runs in one process on one GPU: estimated for 1 rank"] if lora.quantized(cfg.lora) else []
+    for w in [1] if lora.quantized(cfg.lora) else world_sizes:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {'on' if cfg.parallel.activation_checkpointing else 'off'}, "

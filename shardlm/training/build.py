@@ -90,12 +90,12 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
 def _initial_hf(cfg: Config, hf_cfg, device: torch.device | None = None) -> nn.Module:
     """The starting HF model on CPU: pretrained or seeded random weights, plus LoRA adapters (seeded) if on.
     QLoRA's 4-bit base is loaded straight onto `device` (bitsandbytes quantizes as it loads)."""
-    if lora.quantized(cfg):
+    if lora.quantized(cfg.lora):
         assert device is not None
         hf = lora.quantized_base(cfg, hf_cfg, device)
     else:
         hf = initial_model(cfg, hf_cfg, cfg.train.seed)
-    return lora.apply(hf, cfg.lora, seed=cfg.train.seed) if lora.enabled(cfg) else hf
+    return lora.apply(hf, cfg.lora, seed=cfg.train.seed) if lora.enabled(cfg.lora) else hf
 
 
 def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
@@ -104,12 +104,12 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
                             dist.device, compiled=pl.compile == "model")
     if pl.use_fsdp:
         hf = empty_model(hf_cfg, "meta")
-        model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg) else hf, chunk)
+        model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg.lora) else hf, chunk)
         parallelize(model, cfg, pl, dist)
         materialize(model, cfg, hf_cfg, dist)
     else:
         model = CausalLM(_initial_hf(cfg, hf_cfg, dist.device), chunk)
-        if dist.device.type != "xla" and not lora.quantized(cfg):  # xla moves it itself; QLoRA's is there
+        if dist.device.type != "xla" and not lora.quantized(cfg.lora):  # xla moves it itself; QLoRA's is there
             model.to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model
@@ -151,7 +151,7 @@ def build(cfg: Config) -> Run:
     """Checks that need no data (out_dir, tokenizer, the model's config against data.seq_len) come before
     tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
-    lora.check(cfg, d.device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
+    lora.check(cfg.lora, d.device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)

@@ -296,6 +296,6 @@ class Trainer:
 
 def stateful_parts(run: Run, train_state: Stateful) -> dict[str, Stateful]:
     """Everything a resume restores: model, optimizer, schedule, the trainer's own state and the RNG."""
-    return {**model_parts(run.model, run.optimizer, lora.enabled(run.cfg)),
+    return {**model_parts(run.model, run.optimizer, lora.enabled(run.cfg.lora)),
             "scheduler": ScheduleState(run.scheduler, run.dist.print), "train_state": train_state,
             "rng": RngState(run.dist.device.type == "xla")}
