@@ -1,13 +1,23 @@
-"""Fixtures and hooks: a tiny corpus, its token cache, and the device of each test. Helpers are in helpers.py."""
+"""Fixtures and hooks: a tiny corpus, its token cache, a tiny Hugging Face folder, LoRA bases and runs, and the
+device of each test. Helpers are in helpers.py."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 import helpers
-from helpers import SHAKESPEARE
+from helpers import (
+    SHAKESPEARE,
+    byte_gpt2_config,
+    folder_digest,
+    lora_args,
+    save_hf_folder,
+    save_lora_base,
+    train_in_process,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -34,3 +44,44 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token_cache")
+
+
+@pytest.fixture
+def hf_folder(tmp_path) -> Path:
+    """A local Hugging Face folder, as `shardlm export` or a hub download gives: a 1-layer byte-level GPT-2 with
+    32 positions (seeded) and the byte tokenizer."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return save_hf_folder(GPT2LMHeadModel(byte_gpt2_config(n_positions=32)), tmp_path / "hf")
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """In-process runs install shardlm's SIGTERM/SIGINT handlers: give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+@pytest.fixture(scope="session")
+def lora_bases(tmp_path_factory) -> tuple[dict[str, Path], dict[str, str]]:
+    """Pretrained folders to put adapters on (llama, llama_other: another seed, gpt2) and their digests."""
+    root = tmp_path_factory.mktemp("lora-bases")
+    folders = {name: save_lora_base(root / name, family, seed)
+               for name, family, seed in (("llama", "llama", 1), ("llama_other", "llama", 2), ("gpt2", "gpt2", 3))}
+    return folders, {name: folder_digest(f) for name, f in folders.items()}
+
+
+@pytest.fixture(scope="session")
+def lora_runs(lora_bases, corpus, cache_dir, tmp_path_factory) -> dict[str, Path]:
+    """One uninterrupted 1-process LoRA run per family (the references of test_lora.py and test_qlora.py)."""
+    folders, _ = lora_bases
+    out = {}
+    for family in ("llama", "gpt2"):
+        run = tmp_path_factory.mktemp(f"lora-run-{family}")
+        train_in_process(lora_args(corpus, cache_dir, run, folders[family]))
+        out[family] = run
+    return out

@@ -4,6 +4,7 @@ Fixtures and pytest hooks are in conftest.py."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -15,6 +16,9 @@ from shardlm.distributed.launch import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT / "shardlm" / "assets" / "tinyshakespeare" / "input.txt"
+# A small model over GPT-2's 50257-token vocabulary, where the loss's memory shows (test_estimate, test_loss)
+GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256, "model.n_head": 4,
+              "model.n_positions": 128, "data.seq_len": 128, "train.batch_size": 4}
 _device = "cpu"  # parallel.device of tiny(): "auto" (CUDA when present) while a @pytest.mark.cuda test runs (conftest)
 
 
@@ -95,3 +99,51 @@ def save_hf_folder(model, folder: Path) -> Path:
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return folder
+
+
+def by_step(out_dir: Path) -> dict[int, float]:
+    """A run's training loss by step (a step run again, after a resume, keeps its last record)."""
+    return {r["step"]: r["loss"] for r in records(out_dir)}
+
+
+# ---- LoRA (test_lora.py, test_qlora.py; the bases and reference runs are conftest's lora_bases, lora_runs) ----
+LORA_STEPS = 8
+
+
+def lora_args(corpus: Path, cache_dir: Path, out: Path, base: Path, **extra) -> list[str]:
+    """tiny()'s overrides for a LoRA run (r=4, alpha 8) of LORA_STEPS steps on the pretrained folder `base`."""
+    return tiny(corpus, cache_dir, out, **{"model.name": base, "lora.r": 4, "lora.alpha": 8,
+                                           "train.max_steps": LORA_STEPS, "checkpoint.every": 4,
+                                           "train.batch_size": 8, **extra})
+
+
+def train_in_process(args: list[str]):
+    from shardlm.config import load_config
+    from shardlm.train import train
+
+    return train(load_config(None, args))
+
+
+def folder_digest(folder: Path) -> str:
+    """Every file's name, size, mtime and bytes: equal digests, a folder nobody wrote to."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}".encode() + p.read_bytes())
+    return h.hexdigest()
+
+
+def save_lora_base(folder: Path, family: str, seed: int) -> Path:
+    """A tiny random pretrained folder to put adapters on: Llama (GQA, untied) or GPT-2."""
+    import torch
+    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=257, max_position_embeddings=64, bos_token_id=256, eos_token_id=256))
+    else:
+        model = GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=16, n_head=2))
+    return save_hf_folder(model, folder)

@@ -395,3 +395,80 @@ def test_the_counting_loader_gives_prepare_data_the_runs_blocks(tmp_path):
     assert exact == [True] and not (tmp_path / "cache").exists()
     run_train, run_val = prepare_data(cfg, byte_tokenizer(), Dist(LaunchInfo("single"), torch.device("cpu")))
     assert (len(train), len(val)) == (len(run_train), len(run_val)) == (112, 12)
+
+
+# --- bad data files: one line naming the file and the fix; earlier caches untouched ---------------------------
+def _data_error(path, tmp_path, **kw) -> str:
+    from shardlm.data.cache import build_cache
+    from shardlm.data.sources import resolve
+
+    with pytest.raises(ShardlmError) as err:
+        build_cache(resolve(str(path), "train"), byte_tokenizer(), tmp_path / "cache", log=lambda *_: None, **kw)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def _gzip_and_zstd(tmp_path, name: str, data: bytes) -> tuple:
+    import gzip
+
+    import zstandard
+
+    gz, zst = gzip.compress(data), zstandard.ZstdCompressor().compress(data)
+    return (tmp_path / f"{name}.gz", gz), (tmp_path / f"{name}.zst", zst)
+
+
+def test_truncated_and_corrupt_compressed_files_name_the_file_and_the_byte(tmp_path):
+    import random
+
+    data = "".join(random.Random(0).choices("abc de\n", k=20_000)).encode()
+    (gz, gz_bytes), (zst, zst_bytes) = _gzip_and_zstd(tmp_path, "c.txt", data)
+    gz.write_bytes(gz_bytes[: len(gz_bytes) // 2])
+    zst.write_bytes(zst_bytes[: len(zst_bytes) // 2])
+    message = _data_error(gz, tmp_path)
+    assert f"c.txt.gz' is truncated: its gzip stream stops inside a compressed frame at byte {len(gz_bytes) // 2:,}" \
+           in message and "Re-download or re-compress it (`gzip -t c.txt.gz` checks a file)" in message
+    assert "c.txt.zst' is truncated: its zstd stream stops" in _data_error(zst, tmp_path)
+    gz.write_bytes(gz_bytes[:-8] + bytes(8))  # CRC and length zeroed
+    assert "c.txt.gz' is corrupt gzip data near byte" in _data_error(gz, tmp_path)
+    zst.write_bytes(zst_bytes[:4] + b"\xff" * 8 + zst_bytes[12:])  # frame header garbled
+    assert "c.txt.zst' is corrupt zstd data near byte" in _data_error(zst, tmp_path)
+    (tmp_path / "plain.jsonl.gz").write_text('{"text": "not compressed"}\n')
+    assert "plain.jsonl.gz' is not gzip data" in _data_error(tmp_path / "plain.jsonl.gz", tmp_path)
+
+
+def test_parquet_without_the_text_column_lists_its_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1], "body": ["x"]}), tmp_path / "a.parquet")
+    assert "a.parquet: Parquet file has no 'text' column (columns: id, body). Set data.text_field" in \
+        _data_error(tmp_path / "a.parquet", tmp_path)
+    assert "column 'id' holds int64, not text" in _data_error(tmp_path / "a.parquet", tmp_path, text_field="id")
+    from shardlm.config import load_config
+    from shardlm.preflight.dryrun import dry_run
+
+    with pytest.raises(ShardlmError, match="has no 'text' column"):  # `train --dry-run` reads the first records
+        dry_run(load_config(None, [f"data.train={tmp_path / 'a.parquet'}", "model.tokenizer=bytes"]), 1)
+    import random
+
+    rng = random.Random(0)
+    pq.write_table(pa.table({"text": ["".join(rng.choices("abcdefgh ", k=100)) for _ in range(500)]}),
+                   tmp_path / "b.parquet", row_group_size=100)
+    damaged = bytearray((tmp_path / "b.parquet").read_bytes())
+    damaged[len(damaged) // 2: len(damaged) // 2 + 2000] = bytes(2000)
+    (tmp_path / "b.parquet").write_bytes(bytes(damaged))
+    assert "b.parquet' is corrupt Parquet after row " in _data_error(tmp_path / "b.parquet", tmp_path)
+
+
+def test_arrow_folder_that_is_not_a_dataset(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": ["x"]}).save_to_disk(tmp_path / "ds")
+    (tmp_path / "ds" / "state.json").unlink()
+    assert "folder '" in (msg := _data_error(tmp_path / "ds", tmp_path)) and \
+        "ds' holds Arrow data but is not a dataset saved by datasets' save_to_disk (no state.json beside its " \
+        ".arrow files). Give the folder save_to_disk wrote" in msg
+    (tmp_path / "ds" / "state.json").write_text('{"_data_files": [{"filename": "gone.arrow"}]}')
+    assert "(gone.arrow, listed in its state.json, is missing)" in _data_error(tmp_path / "ds", tmp_path)
+    (tmp_path / "ds" / "state.json").write_text("{not json")
+    assert "(state.json is not readable JSON" in _data_error(tmp_path / "ds", tmp_path)

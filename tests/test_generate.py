@@ -1,5 +1,5 @@
 """Generation: a sliding window past the model's context, batched prompts (left padding) that give what one
-prompt at a time gives, `shardlm generate`'s prompt file, streaming and JSON output; `shardlm env`."""
+prompt at a time gives, `shardlm generate`'s prompt file, streaming and JSON output."""
 
 import io
 import json
@@ -9,7 +9,7 @@ import torch
 
 from helpers import byte_gpt2_config
 from shardlm import ShardlmError
-from shardlm.cli import cmd_env, cmd_generate, parse_args
+from shardlm.cli import cmd_generate, parse_args
 from shardlm.inference.generate import (
     DOCUMENT_END,
     generate_batch,
@@ -163,16 +163,3 @@ def test_bad_prompt_file_is_one_clear_line(tmp_path, content, message):
         cmd_generate(parse_args(["generate", "x", "--batch-size", "0"]))
     with pytest.raises(ShardlmError, match="give --prompt or --prompt-file, not both"):
         cmd_generate(parse_args(["generate", "x", "--prompt", "a", "--prompt-file", str(path)]))
-
-
-def test_env_names_torch_and_the_cache(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SHARDLM_CACHE", str(tmp_path / "tokens"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert cmd_env(parse_args(["env"])) == 0
-    text = capsys.readouterr().out
-    assert f"torch:            {torch.__version__}" in text and str(tmp_path / "tokens") in text
-    assert "launcher:         single, rank 0 of 1" in text and "OMP_NUM_THREADS:  3" in text
-    assert cmd_env(parse_args(["env", "--json"])) == 0
-    info = json.loads(capsys.readouterr().out)
-    assert info["versions"]["torch"] == torch.__version__ and info["caches"]["token_cache"] == str(tmp_path / "tokens")
-    assert info["devices"]["cpu_count"] >= 1 and ("cuda" in info["devices"])

@@ -1,25 +1,18 @@
-"""Export's model card (README.md + loss.png) and `export --push-to-hub` failing as one line offline."""
+"""The Hugging Face Hub: export's model card (README.md + loss.png); `export --push-to-hub` failing as one line
+offline, without a token or unreachable, the export kept; `--private` without it refused; a model, tokenizer or
+`hf:` dataset named on the Hub while it cannot be reached, and a model loaded offline from the HF cache."""
 
 import json
 
 import pytest
-import torch
 
 from helpers import byte_gpt2_config
+from shardlm import ShardlmError
 from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.inference.export import run_facts, write_card
-from shardlm.tokenizer import byte_tokenizer
-
-
-@pytest.fixture
-def hf_folder(tmp_path):
-    from transformers import GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    GPT2LMHeadModel(byte_gpt2_config(n_positions=32)).save_pretrained(tmp_path / "hf")
-    byte_tokenizer().save_pretrained(tmp_path / "hf")
-    return tmp_path / "hf"
+from shardlm.models.causal_lm import model_config
+from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 
 def test_model_card_has_data_steps_losses_config_and_loading(tmp_path):
@@ -73,3 +66,73 @@ def test_the_card_names_a_mixture_with_its_weights():
     mix = load_config(overrides=["data.train=[a.txt,b.parquet]", "data.weights=[0.7,0.3]"]).data
     assert _data(mix) == "a mixture of a.txt (0.7), b.parquet (0.3)"
     assert _data(load_config(overrides=["data.train=c.txt"]).data) == "c.txt"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"HF_HUB_OFFLINE": "1"}, "--push-to-hub: HF_HUB_OFFLINE is set, so nothing was uploaded; the export in"),
+    ({"HF_TOKEN": ""}, "--push-to-hub needs a Hugging Face token with write access: set HF_TOKEN"),
+])
+def test_push_to_hub_offline_or_without_token(hf_folder, tmp_path, monkeypatch, env, message):
+    from huggingface_hub import constants
+
+    from shardlm.hub import push_folder
+    from shardlm.inference.export import export
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))  # no `hf auth login` token
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = export(hf_folder, tmp_path / "out", repo_id="me/tiny")
+    with pytest.raises(ShardlmError, match=message) as error:
+        push_folder(out, "me/tiny")
+    assert "\n" not in str(error.value) and (out / "model.safetensors").is_file()
+
+
+def test_private_applies_to_push_to_hub(tmp_path):
+    from shardlm.cli import cmd_export, parse_args
+
+    with pytest.raises(ShardlmError, match="--private applies to --push-to-hub"):
+        cmd_export(parse_args(["export", str(tmp_path / "no-run"), str(tmp_path / "out"), "--private"]))
+
+
+@pytest.fixture
+def hub_unreachable(monkeypatch, tmp_path):
+    """The Hub's endpoint is a closed local port and the HF cache an empty folder, on any machine."""
+    from huggingface_hub import constants
+
+    from shardlm.hub import hub_reachable
+
+    for var in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    hub_reachable.cache_clear()
+    yield tmp_path / "hf-cache"
+    hub_reachable.cache_clear()
+
+
+def test_unreachable_model_name_says_offline_and_local_folder(hub_unreachable):
+    cfg = load_config(None, ["model.name=no-such-org/no-such-model-xyz"])
+    with pytest.raises(ShardlmError, match="Hub cannot be reached and it is not in the local HF cache.*local folder"):
+        model_config(cfg, byte_tokenizer())
+
+
+def test_unreachable_hub_tokenizer_and_dataset(hub_unreachable):
+    from shardlm.data.sources import Source, iter_documents
+
+    with pytest.raises(ShardlmError, match="tokenizer 'no-org/tok': .*Hub cannot be reached.*model.tokenizer=gpt2"):
+        load_tokenizer("no-org/tok")
+    with pytest.raises(ShardlmError, match="Hub cannot be reached.*point data.train/data.val at local"):
+        next(iter_documents(Source("hf:wikitext", hf=("wikitext", None, "train"))))
+
+
+def test_hub_name_loads_from_the_local_hf_cache_offline(hub_unreachable):
+    """A model downloaded earlier (HF cache layout) loads by its hub name with no network."""
+    snapshot = hub_unreachable / "models--some-org--tiny-gpt2" / "snapshots" / ("0" * 40)
+    byte_gpt2_config().save_pretrained(snapshot)
+    byte_tokenizer().save_pretrained(snapshot)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    tokenizer = load_tokenizer("some-org/tiny-gpt2")
+    cfg = load_config(None, ["model.name=some-org/tiny-gpt2", "data.seq_len=32"])
+    assert model_config(cfg, tokenizer).n_positions == 64

@@ -1,8 +1,18 @@
-"""Launcher detection from the environments torchrun, SLURM and MPI launchers set."""
+"""Launcher detection from the environments torchrun, SLURM and MPI launchers set; `shardlm train --nproc N`:
+more CPU ranks than cores warn, and Ctrl-C saves and exits 0."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+from helpers import ROOT, kill_tree, records, tiny
 from shardlm import ShardlmError
+from shardlm.checkpoint.layout import newest_complete
 from shardlm.distributed.process_group import detect_launch, expand_nodelist
 
 
@@ -90,3 +100,25 @@ def test_nproc_above_the_cores_warns_before_launching(monkeypatch, capfd, tmp_pa
         main(["train", "--nproc", "2", "data.train=/missing.txt", f"out_dir={tmp_path / 'run'}"])
     err = capfd.readouterr().err
     assert done.value.code == 2 and err.startswith("warning: --nproc 2 starts 2 CPU ranks on 1 CPU core:"), err
+
+
+def test_ctrl_c_under_nproc_saves_and_exits_zero_with_one_line(corpus, cache_dir, tmp_path):
+    """The user's path: `shardlm train --nproc 2`, Ctrl-C (SIGINT to the terminal's process group)."""
+    cmd = [sys.executable, "-m", "shardlm", "train", "--nproc", "2",
+           *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 100000})]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (tmp_path / "metrics.jsonl").exists() or len(records(tmp_path)) < 2:
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "SignalException" not in out
+    step = json.loads((newest_complete(tmp_path / "checkpoints") / "trainer_state.json").read_text())["step"]
+    assert f"saved step {step} to" in out and "rerun the same command to resume" in out

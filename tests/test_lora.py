@@ -1,117 +1,31 @@
 """LoRA with PEFT under FSDP2: adapters alone train (1 process and 2 FSDP ranks agree), checkpoints hold the
 adapter and the base's identity and resume exactly, exports (merged and PEFT adapter) agree, generate and eval
-work on LoRA runs, the base folder is never written, and bad input fails with one line."""
+work on LoRA runs, the base folder is never written, and bad input fails with one line. QLoRA: test_qlora.py."""
 
-import hashlib
 import json
 import shutil
-import signal
 
 import pytest
 import torch
 from faults import SigtermAt, fault
 
-from helpers import byte_gpt2_config, on_cuda, records, save_hf_folder, shardlm_cli, tiny
+from helpers import LORA_STEPS, by_step, folder_digest, lora_args, shardlm_cli, tiny, train_in_process
 from shardlm import ShardlmError
 
-STEPS = 8
+pytestmark = pytest.mark.usefixtures("keep_signal_handlers")
 
 
-def folder_digest(folder) -> str:
-    h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")):
-        if p.is_file():
-            st = p.stat()
-            h.update(f"{p.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}".encode() + p.read_bytes())
-    return h.hexdigest()
-
-
-def save_base(folder, family: str, seed: int):
-    from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=257, max_position_embeddings=64, bos_token_id=256, eos_token_id=256))
-    else:
-        model = GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=16, n_head=2))
-    return save_hf_folder(model, folder)
-
-
-@pytest.fixture(scope="module")
-def bases(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-bases")
-    folders = {name: save_base(root / name, family, seed)
-               for name, family, seed in (("llama", "llama", 1), ("llama_other", "llama", 2), ("gpt2", "gpt2", 3))}
-    return folders, {name: folder_digest(f) for name, f in folders.items()}
-
-
-@pytest.fixture
-def bnb_portable_cpu_path(monkeypatch):
-    """bitsandbytes' CPU stand-in for the CUDA kernels, the same on every x86 CPU. On AVX-512-BF16 machines
-    Linear4bit repacks its weight for a bf16 inference kernel the first time it runs in eval mode without grad
-    (validation, the end-of-run sample): that kernel needs out_features % 32 == 0 and computes in bf16, so the
-    tiny bases here would fail there (and pass on AVX2). shardlm runs QLoRA on CUDA only, where the kernel is
-    not taken; the tests take the plain path everywhere."""
-    bnb = pytest.importorskip("bitsandbytes")
-    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: False, raising=False)  # absent before 0.47
-    return bnb
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers():
-    """In-process runs install shardlm's SIGTERM/SIGINT handlers: give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for s, handler in saved.items():
-        signal.signal(s, handler)
-
-
-def lora_args(corpus, cache_dir, out, base, **extra) -> list[str]:
-    return tiny(corpus, cache_dir, out, **{"model.name": base, "lora.r": 4, "lora.alpha": 8, "train.max_steps": STEPS,
-                                           "checkpoint.every": 4, "train.batch_size": 8, **extra})
-
-
-def train_in_process(args: list[str], env: dict | None = None, monkeypatch=None):
-    from shardlm.config import load_config
-    from shardlm.train import train
-
-    for k, v in (env or {}).items():
-        monkeypatch.setenv(k, v)
-    try:
-        return train(load_config(None, args))
-    finally:
-        for k in env or {}:
-            monkeypatch.delenv(k)
-
-
-@pytest.fixture(scope="module")
-def runs(bases, corpus, cache_dir, tmp_path_factory):
-    """One uninterrupted 1-process LoRA run per family (the references)."""
-    folders, _ = bases
-    out = {}
-    for family in ("llama", "gpt2"):
-        run = tmp_path_factory.mktemp(f"lora-run-{family}")
-        train_in_process(lora_args(corpus, cache_dir, run, folders[family]))
-        out[family] = run
-    return out
-
-
-def by_step(out_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records(out_dir)}
-
-
-def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, cache_dir, tmp_path, monkeypatch):
+def test_lora_fsdp_adapters_only_parity_and_exact_resume(lora_bases, lora_runs, corpus, cache_dir, tmp_path,
+                                                          monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
     from shardlm.config import load_config
     from shardlm.train import train
     from shardlm.training.trainer import Trainer
 
-    folders, digests = bases
-    reference = by_step(runs["llama"])
-    assert sorted(reference) == list(range(1, STEPS + 1)) and reference[STEPS] < reference[1]
+    folders, digests = lora_bases
+    reference = by_step(lora_runs["llama"])
+    assert sorted(reference) == list(range(1, LORA_STEPS + 1)) and reference[LORA_STEPS] < reference[1]
 
     # 1 process: gradients reach the adapters alone, the optimizer holds the adapters alone
     trainer = Trainer.from_config(load_config(None, lora_args(corpus, cache_dir, tmp_path / "one", folders["llama"])))
@@ -160,7 +74,7 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(bases, runs, corpus, ca
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_path):
+def test_lora_exports_generate_and_eval_agree(lora_bases, lora_runs, family, corpus, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
@@ -170,8 +84,8 @@ def test_lora_exports_generate_and_eval_agree(bases, runs, family, corpus, tmp_p
     from shardlm.inference.load import load_for_inference
     from shardlm.models.lora import inference_state
 
-    folders, digests = bases
-    run = runs[family]
+    folders, digests = lora_bases
+    run = lora_runs[family]
     merged_dir, adapter_dir = export(run, tmp_path / "merged"), export(run, tmp_path / "adapter", adapter=True)
     assert (adapter_dir / "adapter_config.json").is_file() and (adapter_dir / "adapter_model.safetensors").is_file()
     assert not any(adapter_dir.glob("model*.safetensors"))
@@ -238,10 +152,10 @@ def test_base_identity_hashes_every_weight_byte_and_rereads_only_changed_files(t
 
 @pytest.mark.parametrize("case", ["targets", "head", "scratch", "adapter_of_full_run", "other_base", "alpha",
                                   "nf4_on_cpu"])
-def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path):
+def test_lora_bad_input_one_line(lora_bases, lora_runs, case, corpus, cache_dir, tmp_path):
     from shardlm.inference.export import export
 
-    folders, _ = bases
+    folders, _ = lora_bases
     if case == "targets":
         args, expect = lora_args(corpus, cache_dir, tmp_path, folders["llama"], **{"lora.target_modules": "[qkv]"}), \
             r"\['qkv'\] match no linear layer .*: down_proj, gate_proj, k_proj, o_proj, q_proj"
@@ -255,9 +169,9 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
             "nf4.*CUDA.*lora.quantize=null"
     elif case in ("other_base", "alpha"):
         run = tmp_path / "run"
-        shutil.copytree(runs["llama"], run)
+        shutil.copytree(lora_runs["llama"], run)
         base, extra = (folders["llama_other"], {}) if case == "other_base" else (folders["llama"], {"lora.alpha": 64})
-        args = lora_args(corpus, cache_dir, run, base, **{"train.max_steps": STEPS + 2, **extra})
+        args = lora_args(corpus, cache_dir, run, base, **{"train.max_steps": LORA_STEPS + 2, **extra})
         expect = ("trained on base model .* differs in its weights.*set model.name to the original base"
                   if case == "other_base" else "trained with lora.alpha=8.0, this run has lora.alpha=64")
     if case == "adapter_of_full_run":
@@ -275,119 +189,4 @@ def test_lora_bad_input_one_line(bases, runs, case, corpus, cache_dir, tmp_path)
 
         with pytest.raises(ShardlmError, match=expect):
             dry_run(load_config(None, args), 1)
-    assert "\n" not in str(err.value)  # the CLI prints a ShardlmError as one `error: ...` line (test_errors)
-
-
-def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(bases, runs, corpus, cache_dir, tmp_path,
-                                                                       monkeypatch, capsys, bnb_portable_cpu_path):
-    """QLoRA's path, run on bitsandbytes' CPU backend (a run is CUDA-only: that one check is lifted here): the
-    base's linears hold 4-bit weights, only the adapters train, the first loss is the full-precision LoRA run's
-    up to the quantization error (and not equal to it), the weights gathered for the end-of-training sample
-    (dequantized, merged, GPT-2's Conv1D layout restored) give the QLoRA model's own loss, a stopped run
-    resumes bit for bit, and the export is a plain model."""
-    bnb = bnb_portable_cpu_path
-    from shardlm.config import load_config
-    from shardlm.distributed.full_state import gather_hf_model
-    from shardlm.models import lora
-    from shardlm.training.trainer import Trainer
-
-    monkeypatch.setattr(lora, "check", lambda *args, **kwargs: None)
-    folders, _ = bases
-    args = lora_args(corpus, cache_dir, tmp_path, folders["gpt2"], **{"lora.quantize": "nf4", "train.max_steps": 3})
-    trainer = Trainer.from_config(load_config(None, args))
-    four_bit = [m for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert len(four_bit) == 8 and all(m.weight.dtype == torch.uint8 for m in four_bit)  # 2 blocks x 4 linears
-    assert all(lora.is_adapter_key(n) for n, p in trainer.model.named_parameters() if p.requires_grad)
-    first = [trainer.train_step()["loss_sum"].item() / (8 * 32) for _ in range(3)][0]
-    full_precision = records(runs["gpt2"])[0]["loss"]
-    assert first != full_precision and first == pytest.approx(full_precision, rel=0.02)
-
-    trainer.model.eval()
-    tokens = trainer.run.train.get(torch.arange(4).numpy())
-    with torch.no_grad():
-        own, _ = trainer.model(tokens[:, :-1], tokens[:, 1:])
-        hf = gather_hf_model(trainer.model, trainer.run.hf_config, trainer.dist)
-        logits = hf(tokens[:, :-1]).logits
-    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
-    assert plain.item() == pytest.approx(own.item(), rel=1e-4)
-
-    # a QLoRA checkpoint resumes bit for bit and exports merged into the full-precision base
-    from shardlm.inference.export import export
-    from shardlm.train import train
-
-    qlora = {"lora.quantize": "nf4", "train.max_steps": 4, "checkpoint.every": 0}
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    train(load_config(None, lora_args(corpus, cache_dir, whole, folders["gpt2"], **qlora)))
-    train(load_config(None, lora_args(corpus, cache_dir, split, folders["gpt2"], **qlora)), callbacks=[SigtermAt(2)])
-    assert max(by_step(split)) == 2
-    capsys.readouterr()
-    train(load_config(None, lora_args(corpus, cache_dir, split, folders["gpt2"], **qlora)))
-    assert "resumed from" in capsys.readouterr().out and by_step(split) == by_step(whole)
-    from transformers import AutoModelForCausalLM
-
-    assert type(AutoModelForCausalLM.from_pretrained(str(export(whole, tmp_path / "hf")))).__name__ == "GPT2LMHeadModel"
-
-
-@pytest.mark.cuda
-def test_qlora_on_cuda_trains_and_exports(bases, corpus, cache_dir, tmp_path):
-    """The real thing, where there is a GPU (`make gpu-check` runs the cuda-marked tests)."""
-    if not on_cuda():
-        pytest.skip("QLoRA runs on CUDA only")
-    pytest.importorskip("bitsandbytes")
-    folders, digests = bases
-    run = tmp_path / "run"
-    shardlm_cli(["train", *lora_args(corpus, cache_dir, run, folders["llama"], **{
-        "lora.quantize": "nf4", "parallel.precision": "bf16", "checkpoint.export_final": True})])
-    losses = [r["loss"] for r in records(run)]
-    assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-    greedy = ["--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "8"]
-    from_ckpt, from_export = (shardlm_cli(["generate", str(path), *greedy]).stdout for path in (run, run / "hf"))
-    assert from_ckpt == from_export
-    assert folder_digest(folders["llama"]) == digests["llama"]  # the base folder is never written
-
-
-def test_qlora_refusals_on_cuda_need_no_gpu(bases, monkeypatch):
-    import importlib.util
-
-    from shardlm.config import load_config
-    from shardlm.models import lora
-
-    pytest.importorskip("bitsandbytes")
-    folders, _ = bases
-    cfg = load_config(None, [f"model.name={folders['llama']}", "lora.r=4", "lora.quantize=nf4"])
-    cuda = torch.device("cuda")
-    with pytest.raises(ShardlmError, match="runs in one process on one GPU.*lora.quantize=null"):
-        lora.check(cfg, cuda, sharded=True)
-    lora.check(cfg, cuda, sharded=False)  # one process on a GPU: accepted
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else
-                        real(name, *a))
-    with pytest.raises(ShardlmError, match=r"needs the bitsandbytes package.*shardlm\[qlora\]"):
-        lora.check(cfg, cuda)
-
-
-def test_qlora_estimate_counts_what_bitsandbytes_holds(tmp_path, monkeypatch):
-    """The 4-bit weights and their constants, as `shardlm estimate` counts them, against the bytes of a real
-    bitsandbytes NF4 model (CPU backend; a Llama base big enough that per-layer constants do not dominate)."""
-    bnb = pytest.importorskip("bitsandbytes")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from shardlm.config import load_config
-    from shardlm.models import lora
-    from shardlm.models.causal_lm import model_config
-    from shardlm.preflight.estimate import estimate
-    from shardlm.tokenizer import model_tokenizer
-
-    base = save_hf_folder(LlamaForCausalLM(LlamaConfig(
-        hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=4, vocab_size=257,
-        bos_token_id=256, eos_token_id=256)), tmp_path / "base")
-    cfg = load_config(None, [f"model.name={base}", "lora.r=8", "lora.quantize=nf4", "data.seq_len=32"])
-    hf_cfg = model_config(cfg, model_tokenizer(cfg.model))
-    hf = lora.quantized_base(cfg, hf_cfg, torch.device("cpu"))
-    held = 0
-    for m in hf.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            qs = m.weight.quant_state
-            held += m.weight.numel() * m.weight.element_size() + qs.absmax.nbytes + qs.state2.absmax.nbytes
-    predicted = estimate(cfg, model_tokenizer(cfg.model)).components["base linears (4-bit NF4, double quantization)"]
-    assert predicted == pytest.approx(held, rel=0.01)
+    assert "\n" not in str(err.value)  # the CLI prints a ShardlmError as one `error: ...` line (test_cli)

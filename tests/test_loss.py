@@ -1,6 +1,6 @@
-"""The chunked linear + cross-entropy (no gradient work without grad mode, torch.compile) and `shardlm eval`
-(auto loss chunk, progress on stderr, stdout one JSON line). Chunked == plain under training is in
-test_estimate.py."""
+"""The chunked linear + cross-entropy: equal to the plain loss (values and gradients, fp32 and bf16), less memory
+in a training step, no gradient work without grad mode, torch.compile; and `shardlm eval` (auto loss chunk,
+progress on stderr, stdout one JSON line)."""
 
 import json
 import re
@@ -9,8 +9,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import byte_gpt2_config
+from helpers import GPT2_VOCAB, byte_gpt2_config, fp32_tol, on_cuda, tiny
+from shardlm.config import load_config
 from shardlm.models.loss import linear_cross_entropy
+from shardlm.observe.metrics import measure_step_peak
+from shardlm.training.trainer import Trainer
 
 N, D, V = 40, 16, 300
 
@@ -33,6 +36,38 @@ def _matmul_flops(fn) -> int:
     with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_}) as counter:
         fn()
     return counter.get_total_flops()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_plain_loss(chunk, dtype):
+    device = "cuda" if on_cuda() else "cpu"
+    torch.manual_seed(0)
+    hidden = torch.randn(96, 32, dtype=dtype).to(device).requires_grad_()
+    weight = (0.1 * torch.randn(300, 32)).to(device, dtype).requires_grad_()
+    targets = torch.randint(0, 300, (96,)).to(device)
+    targets[::11] = -100
+    grads = []
+    for c in (0, chunk):
+        hidden.grad = weight.grad = None
+        loss, correct = linear_cross_entropy(hidden, weight, targets, c)
+        (loss / 96).backward()
+        grads.append((loss.detach(), correct, hidden.grad.float(), weight.grad.float()))
+    tol = fp32_tol(1e-5) if dtype == torch.float32 else 2e-2
+    for plain, chunked in zip(grads[0], grads[1], strict=True):
+        assert torch.allclose(plain.float(), chunked.float(), rtol=tol, atol=tol)
+
+
+def test_chunked_loss_saves_memory(corpus, cache_dir, tmp_path):
+    peaks = {}
+    for chunk in (0, 256):
+        cfg = load_config(None, tiny(corpus, cache_dir, tmp_path / str(chunk),
+                                     **{**GPT2_VOCAB, "train.batch_size": 16, "train.loss_chunk_size": chunk}))
+        trainer = Trainer.from_config(cfg)
+        trainer.train_step()
+        peaks[chunk] = measure_step_peak(trainer)
+    assert peaks[256] < 0.6 * peaks[0]
 
 
 @pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])

@@ -1,13 +1,17 @@
 """Weighted mixtures (a list data.train): the sampler's proportions, its position property (what world-size
-invariance and exact resume rest on), and a tiny training run that reports tokens per source."""
+invariance and exact resume rest on), a tiny training run that reports tokens per source; bad weights, and a
+source too short for one block, fail in one line."""
 
 import numpy as np
 import pytest
+import torch
 
 from helpers import records, tiny
+from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.data import MixtureBlocks, MixtureSampler, TokenBlocks, micro_batch_position
 from shardlm.data.mixture import quotas
+from shardlm.tokenizer import byte_tokenizer
 
 
 @pytest.mark.parametrize("sizes, weights", [([50, 7, 300], [0.7, 0.2, 0.1]), ([10, 40], [1.0, 1.0]),
@@ -83,3 +87,35 @@ def test_a_mixture_run_reports_tokens_per_source(tmp_path, cache_dir):
     tails = _validation_tails(cfg, trainer.run.tokenizer, torch.device("cpu"), exported=False)
     result = _evaluate(hf, np.concatenate(tails), tails, cfg, 64, 0, torch.device("cpu"))
     assert result["loss"] == pytest.approx(summary["val"]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.train=[a.txt,b.txt]", "data.weights=[1,2,3]"],
+     "data.weights has 3 weights but data.train lists 2 sources: give one weight per source, or data.weights=null"),
+    (["data.train=[a.txt,b.txt]", "data.weights=[1,-0.5]"],
+     "data.weights[1] is -0.5: weights must be finite and >= 0 (0 = leave a source out)."),
+    (["data.train=[a.txt,b.txt]", "data.weights=[0,0]"],
+     "data.weights are all 0: give at least one source a positive weight."),
+    (["data.train=a.txt", "data.weights=[1]"],
+     "data.weights applies to a mixture, but data.train is one source ('a.txt'): give data.train a list of sources"),
+    (["data.train=[]"], "data.train is an empty list: give one source, or a list of sources to mix."),
+])
+def test_bad_mixture_weights_fail_in_one_line(overrides, message):
+    with pytest.raises(ShardlmError) as err:
+        load_config(None, overrides)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_mixture_source_too_short_for_one_block_is_named(tmp_path):
+    from shardlm.data import prepare_data
+    from shardlm.distributed.process_group import Dist, LaunchInfo
+
+    (tmp_path / "a.txt").write_text("plenty of text here. " * 40)
+    (tmp_path / "b.txt").write_text("too short")
+    cfg = load_config(None, [f"data.train=[{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}]", "data.seq_len=32",
+                             f"data.cache_dir={tmp_path / 'cache'}"])
+    with pytest.raises(ShardlmError) as err:
+        prepare_data(cfg.data, byte_tokenizer(), Dist(LaunchInfo("single"), torch.device("cpu")))
+    assert str(err.value).startswith("mixture source data.train[1] '") and "\n" not in str(err.value)
+    assert "b.txt' has 9 tokens (less the 10% held out for validation), fewer than one block of data.seq_len=32 " \
+           "+ 1. Give it more data, remove it from data.train, or use a smaller data.seq_len." in str(err.value)

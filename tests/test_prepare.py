@@ -1,9 +1,12 @@
-"""`shardlm prepare`: builds the caches a run uses, reports them, and never builds one cache twice."""
+"""`shardlm prepare`: builds the caches a run uses, reports them, never builds one cache twice, and a corrupt
+file fails in one line (exit 2) keeping the caches built before."""
 
 from __future__ import annotations
 
 import threading
 import time
+
+import pytest
 
 from shardlm.cli import cmd_prepare, parse_args
 from shardlm.data import cache
@@ -57,3 +60,27 @@ def test_a_second_builder_waits_for_the_first_instead_of_building_again(tmp_path
         cache._build(source, tok, folder, "text", True, logs.append)  # the holder builds it
     waiter.join(10)
     assert sum(m.startswith("tokenizing") for m in logs) == 1 and not list(root.glob("*.lock"))
+
+
+def test_prepare_of_a_corrupt_file_exits_2_in_one_line_and_keeps_the_cache(tmp_path, capsys):
+    """`shardlm prepare`'s own entry point (main(), in-process: the same path as the command line)."""
+    import gzip
+    import random
+
+    from shardlm.cli import main
+
+    (tmp_path / "good.txt").write_text("good text " * 50)
+    args = ["prepare", "model.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}"]
+    with pytest.raises(SystemExit) as done:
+        main([*args, f"data.train={tmp_path / 'good.txt'}"])
+    assert done.value.code == 0
+    before = {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()}
+    text = "".join(random.Random(0).choices("abc de\n", k=20_000)).encode()
+    (tmp_path / "bad.txt.gz").write_bytes(gzip.compress(text)[:2000])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main([*args, f"data.train={tmp_path / 'bad.txt.gz'}"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: data file") and "bad.txt.gz' is truncated" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "cache").rglob("*") if p.is_file()} == before

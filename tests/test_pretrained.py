@@ -1,15 +1,16 @@
 """Fine-tuning a pretrained model from a local Hugging Face folder (the hub-loading code path, offline):
-the weights reach every FSDP shard intact, and async checkpoints resume."""
-
-import json
+the weights reach every FSDP shard intact; a model.name path that does not exist, is a file or has no
+config.json, a tokenizer larger than the model's vocabulary and a seq_len beyond its positions fail in one line."""
 
 import pytest
 import torch
 
 from helpers import byte_gpt2_config, records, shardlm_cli, tiny
-from shardlm.checkpoint.layout import is_complete, list_checkpoints
+from shardlm import ShardlmError
+from shardlm.config import load_config
 from shardlm.data import GlobalSampler
-from shardlm.tokenizer import byte_tokenizer
+from shardlm.models.causal_lm import model_config
+from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,6 @@ def test_pretrained_weights_reach_every_shard(pretrained, corpus, cache_dir, tmp
     shardlm_cli(["train", *args], nproc=2)
     first = records(tmp_path)[0]["loss"]
     # the same first global batch, scored by the pretrained model itself
-    from shardlm.config import load_config
     from shardlm.data import prepare_data
     from shardlm.distributed.process_group import Dist, LaunchInfo
 
@@ -44,15 +44,43 @@ def test_pretrained_weights_reach_every_shard(pretrained, corpus, cache_dir, tmp
     assert first == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.cuda
-def test_async_checkpoints_are_complete_and_resume(corpus, cache_dir, tmp_path):
-    args = tiny(corpus, cache_dir, tmp_path, **{"checkpoint.async": True, "checkpoint.every": 2,
-                                                "train.max_steps": 6})
-    shardlm_cli(["train", *args])
-    saved = list_checkpoints(tmp_path)
-    assert [p.name for p in saved] == ["step_000000006", "step_000000004"]
-    assert all(is_complete(p) is None for p in saved)
-    assert json.loads((saved[0] / "trainer_state.json").read_text())["step"] == 6
-    more = tiny(corpus, cache_dir, tmp_path, **{"checkpoint.async": True, "checkpoint.every": 2, "train.max_steps": 8})
-    proc = shardlm_cli(["train", *more])
-    assert "resumed from" in proc.stdout and max(r["step"] for r in records(tmp_path)) == 8
+def test_tokenizer_larger_than_model_vocab(tmp_path):
+    byte_gpt2_config(n_positions=1024).save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.name={tmp_path}", "model.tokenizer=gpt2"])
+    with pytest.raises(ShardlmError, match="50257 tokens but the model's vocabulary holds 257"):
+        model_config(cfg, load_tokenizer("gpt2"))
+
+
+def test_seq_len_beyond_pretrained_positions(tmp_path):
+    byte_gpt2_config().save_pretrained(tmp_path)
+    cfg = load_config(None, [f"model.name={tmp_path}", "data.seq_len=128"])
+    with pytest.raises(ShardlmError, match="data.seq_len=128 exceeds the model's 64 positions"):
+        model_config(cfg, byte_tokenizer())
+
+
+def test_a_mistyped_model_path_is_named_before_the_tokenizer(tmp_path):
+    """`model.name=./mymodle` blamed the tokenizer (and advised model.tokenizer=gpt2): the path comes first."""
+    (tmp_path / "mymodel").mkdir()
+    byte_gpt2_config().save_pretrained(tmp_path / "mymodel")
+    proc = shardlm_cli(["train", "model.name=./mymodle", "out_dir=run", "data.cache_dir=cache"], check=False,
+                       cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: model.name './mymodle' is a path that does not exist. Did you mean './mymodel'? Point model.name at "
+        "a folder holding config.json and the weights (saved with save_pretrained or `shardlm export`), or give a "
+        "hub name such as gpt2."), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mymodel"]  # nothing read or written
+
+
+def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
+    from shardlm.hub import check_model_path
+    from shardlm.tokenizer import model_tokenizer
+
+    byte_gpt2_config().save_pretrained(tmp_path / "m")
+    (tmp_path / "empty").mkdir()
+    for name, message in ((tmp_path / "m" / "config.json", "config.json' is a file, not a folder. Point model.name"),
+                          (tmp_path / "empty", "empty': it is a folder without a config.json."),
+                          (tmp_path / "runs" / "m", "m' is a path that does not exist. Point model.name")):
+        with pytest.raises(ShardlmError, match=message):
+            model_tokenizer(load_config(None, [f"model.name={name}"]).model)
+    check_model_path(str(tmp_path / "m"))
+    check_model_path("some-org/model")  # a hub name: the hub decides

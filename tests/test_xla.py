@@ -1,16 +1,23 @@
 """PyTorch/XLA on XLA:CPU through PJRT (`make test-xla`: .venv-xla, PJRT_DEVICE=CPU, CPU_NUM_DEVICES=2; the
-2x2 hybrid layout sets 4). Skipped where torch_xla is not installed, as in `make test`.
+2x2 hybrid layout sets 4). The runs on XLA are skipped where torch_xla is not installed, as in `make test`; what
+XLA cannot do is refused from the config alone, and without torch_xla a run says how to install it.
 
 Each run is a `shardlm train` process: the XLA runtime is configured once per process (device count, SPMD)."""
 
+import importlib.util
 import json
 import shutil
 
 import pytest
+import torch
 
 from helpers import losses, records, shardlm_cli, tiny
+from shardlm import ShardlmError
+from shardlm.config import load_config
+from shardlm.distributed.parallelize import plan
 
-pytest.importorskip("torch_xla")
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+needs_torch_xla = pytest.mark.skipif(not HAS_TORCH_XLA, reason="torch_xla is not installed (make test-xla)")
 
 STEPS = 10
 
@@ -25,6 +32,7 @@ def train(corpus, cache_dir, out, devices: int, **extra):
     return shardlm_cli(["train", *args], env=xla_env(devices))
 
 
+@needs_torch_xla
 @pytest.mark.parametrize("devices, extra", [
     (2, {}),  # FSDPv2 full: parameters sharded over both devices
     (1, {}),  # one device
@@ -36,6 +44,7 @@ def test_loss_equals_the_plain_cpu_run_on_the_same_global_batch(corpus, cache_di
     assert_parity(corpus, cache_dir, tmp_path, devices, extra)
 
 
+@needs_torch_xla
 def test_lora_on_xla_equals_lora_on_cpu(corpus, cache_dir, tmp_path):
     from transformers import GPT2LMHeadModel
 
@@ -56,6 +65,7 @@ def assert_parity(corpus, cache_dir, tmp_path, devices: int, extra: dict) -> Non
     assert len(losses(tmp_path / "xla")) == STEPS
 
 
+@needs_torch_xla
 def test_resume_is_exact_compilations_stay_bounded_and_the_export_loads_on_cpu(corpus, cache_dir, tmp_path):
     """bf16 with dropout and activation checkpointing: the XLA RNG and the parameters' sharding are restored."""
     extra = {"model.dropout": 0.1, "parallel.precision": "bf16", "parallel.activation_checkpointing": True,
@@ -90,6 +100,7 @@ def test_resume_is_exact_compilations_stay_bounded_and_the_export_loads_on_cpu(c
     assert result["loss"] > 0
 
 
+@needs_torch_xla
 def test_a_hybrid_group_that_does_not_divide_the_devices_is_one_line(corpus, cache_dir, tmp_path):
     args = tiny(corpus, cache_dir, tmp_path, **{"parallel.device": "xla", "parallel.sharding": "hybrid_full",
                                                 "parallel.shard_size": 4})
@@ -97,6 +108,7 @@ def test_a_hybrid_group_that_does_not_divide_the_devices_is_one_line(corpus, cac
     assert proc.returncode == 2 and "shard_size to divide the 2 XLA devices: 4 does not" in proc.stderr
 
 
+@needs_torch_xla
 def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
     """Importing torch_xla sets PJRT_DEVICE=CPU where it is unset (transformers imports it to probe for it):
     that must not move `parallel.device=auto` runs onto XLA:CPU."""
@@ -106,3 +118,21 @@ def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
     assert not xla.wanted("auto") and xla.wanted("xla")
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
     assert xla.wanted("auto")
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.precision=fp16"], 1, "precision=fp16 is not supported on XLA.*parallel.precision=bf16"),
+    (["parallel.compile=model"], 1, "compile=model is not supported on XLA.*compiles every step's graph itself"),
+    (["parallel.sharding=hybrid_grad"], 1, "sharding=hybrid_grad is not supported on XLA.*hybrid_full"),
+    ([], 2, "with 2 launched processes.*without a launcher"),
+])
+def test_what_xla_cannot_do_is_refused_before_any_work(overrides, world, message):
+    with pytest.raises(ShardlmError, match=message):  # config values only: no torch_xla needed
+        plan(load_config(None, overrides), world, world, torch.device("xla"))
+
+
+@pytest.mark.skipif(HAS_TORCH_XLA, reason="torch_xla is installed")
+def test_xla_without_torch_xla_says_how_to_install(corpus, cache_dir, tmp_path):
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path, **{"parallel.device": "xla"})], check=False)
+    assert proc.returncode == 2 and "torch_xla is not installed" in proc.stderr and "make test-xla" in proc.stderr
+    assert not tmp_path.joinpath("metrics.jsonl").exists()

@@ -1,0 +1,37 @@
+"""The parallel plan: a precision, sharding or attention the device and the world size cannot run is refused in one
+line before any work; a config written for a GPU warns once on a CPU, with what to change."""
+
+import pytest
+import torch
+
+from helpers import shardlm_cli, tiny
+from shardlm import ShardlmError
+from shardlm.config import load_config
+from shardlm.distributed.parallelize import plan
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("overrides, world, local, message", [
+    (["parallel.precision=fp16"], 1, 1, "fp16 needs a GPU"),
+    (["parallel.sharding=hybrid_full", "parallel.shard_size=2"], 3, 3, "2 does not divide 3 ranks"),
+    (["parallel.sharding=hybrid_grad"], 6, 4, "4 does not divide 6 ranks"),
+    (["model.attention=flex_attention"], 1, 1, "flex_attention trains on CUDA GPUs only"),
+])
+def test_infeasible_parallel_plans(overrides, world, local, message):
+    with pytest.raises(ShardlmError, match=message):
+        plan(load_config(None, overrides), world, local, CPU)
+
+
+def test_a_gpu_config_on_a_cpu_warns_once_with_what_to_change(corpus, cache_dir, tmp_path):
+    from shardlm.distributed.parallelize import gpu_config_warning
+
+    warning = gpu_config_warning(load_config("gpt2_wikitext2"), CPU)
+    assert warning.startswith("warning: this config was written for a GPU (parallel.precision=bf16) and runs on a "
+                              "CPU") and "set parallel.precision=fp32" in warning and "shakespeare_tiny" in warning
+    assert "parallel.compile=false" in gpu_config_warning(load_config(None, ["parallel.compile=model"]), CPU)
+    assert gpu_config_warning(load_config(None, []), CPU) is None
+    assert gpu_config_warning(load_config("gpt2_wikitext2"), torch.device("cuda")) is None
+    args = tiny(corpus, cache_dir, tmp_path / "run", **{"parallel.precision": "bf16", "train.max_steps": 1})
+    proc = shardlm_cli(["train", "--nproc", "2", *args])  # bf16 trains on a CPU: a warning, not an error
+    assert proc.stderr.count("warning: this config was written for a GPU") == 1, proc.stderr
