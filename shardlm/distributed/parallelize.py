@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.config import Config
+from shardlm.config import Config, ParallelConfig
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
 from shardlm.models.causal_lm import CausalLM, transformer_blocks
@@ -177,7 +177,7 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
             block.compile(dynamic=False)
         blocks[i] = block
     if pl.use_fsdp:
-        shard(model, blocks, cfg, pl, dist)
+        shard(model, blocks, cfg.parallel, pl, dist)
     if pl.compile == "model" and model.loss_chunk_size and dist.device.type == "cuda":
         # torch 2.11 + CUDA: inductor's code for the chunked loss launched a Triton kernel on a CPU buffer
         # (triton_poi_fused_zeros: "Pointer argument cannot be accessed from Triton"). The chunked loss is
@@ -190,7 +190,7 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
     return model
 
 
-def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: Dist) -> None:
+def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
     """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch. As in
     torchtitan, the last block stays gathered after its forward (its backward comes next)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -198,7 +198,7 @@ def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: 
     kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
     if pl.dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
-    if cfg.parallel.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
+    if p.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     sharded: list[FSDPModule] = []  # the blocks themselves, as fully_shard returns them
     for i, block in enumerate(blocks):
@@ -206,8 +206,8 @@ def shard(model: nn.Module, blocks: nn.ModuleList, cfg: Config, pl: Plan, dist: 
         last = i == len(blocks) - 1
         sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))
     fully_shard(model, **kwargs)
-    if cfg.parallel.prefetch > 0 and len(blocks) > 1:
-        depth = cfg.parallel.prefetch
+    if p.prefetch > 0 and len(blocks) > 1:
+        depth = p.prefetch
         for i, unit in enumerate(sharded):
             unit.set_modules_to_forward_prefetch(sharded[i + 1: i + 1 + depth])
             unit.set_modules_to_backward_prefetch(list(reversed(sharded[max(0, i - depth): i])))
