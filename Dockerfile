@@ -1,8 +1,9 @@
 # shardlm on an NVIDIA GPU: PyTorch, CUDA 12.8 and cuDNN 9 come from the official PyTorch image, shardlm and
-# its other dependencies are installed on top. Build and run (see README, "Debugging and bug reports"):
+# its other dependencies are installed on top. Build and run (see docs/debugging.md):
 #   docker build -t shardlm .
 #   docker run --rm --gpus all --ipc=host -v "$PWD/runs:/workspace/runs" shardlm train configs/shakespeare_tiny.yaml
-# Another PyTorch image: docker build --build-arg BASE_IMAGE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime -t shardlm .
+# Another PyTorch image (torch >= 2.9, pyproject's bound; fp8 needs torchao's matching release):
+#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:<tag> -t shardlm .
 ARG BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
