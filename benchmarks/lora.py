@@ -38,7 +38,8 @@ import time
 from pathlib import Path
 from statistics import median
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import ROOT, HFBlocks
+
 TARGETS = ["c_attn", "c_proj", "c_fc"]
 
 
@@ -97,7 +98,6 @@ def run_hf_peft(args) -> dict:
     from shardlm.distributed.process_group import Dist, LaunchInfo
     from shardlm.observe.metrics import StepPeak
     from shardlm.tokenizer import model_tokenizer
-    from vs_hf_trainer import HFBlocks  # benchmarks/ is on sys.path: this script's folder
 
     cfg = load_config(None, overrides(args, args.base, 16))
     tok = model_tokenizer(cfg.model)

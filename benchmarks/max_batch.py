@@ -28,9 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from common import DATA_HELP, DEFAULT_DATA, ROOT, cap_memory, shardlm_overrides
 
 
 def model_dims(args) -> dict:
@@ -42,7 +40,6 @@ def trial_shardlm(args) -> int:
     from shardlm.config import load_config
     from shardlm.observe.metrics import measure_step_peak
     from shardlm.training.trainer import Trainer
-    from vs_hf_trainer import shardlm_overrides
 
     s = {"model": model_dims(args), "seq": args.seq, "batch": args.batch, "precision": args.precision, "steps": 2}
     extra = ["parallel.compile=false"] + (["parallel.activation_checkpointing=true"] if args.ac else [])
@@ -132,17 +129,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--start", type=int, default=1, help="the first trial's batch (then twice it, then the line)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on both sides")
-    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"),
-                   help="training text (default: ../shared/data/wikitext-2/train.txt where it exists, else the "
-                        "bundled Tiny Shakespeare: shakespeare)")
+    p.add_argument("--data", default=DEFAULT_DATA, help=DATA_HELP)
     return p.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
     if args.trial:
-        from mfu import cap_memory
-
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         cap_memory(args.cap_gb)
         peak = trial_shardlm(args) if args.trial == "shardlm" else trial_hf(args)

@@ -18,24 +18,8 @@ import math
 import re
 import sys
 import time
-from pathlib import Path
 
-SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def cap_memory(cap_gb: float | None) -> None:
-    """Let this process allocate at most `cap_gb` GiB of CUDA memory (no-op on CPU or without a cap)."""
-    import torch
-
-    if cap_gb and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 2**30 / total))
-
-
-def dims(size: str) -> tuple[int, int, int]:
-    """(n_layer, n_head, n_embd) of a named size or of `LxHxC`, e.g. `2x2x64`."""
-    return SIZES[size] if size in SIZES else tuple(int(x) for x in size.split("x"))  # type: ignore[return-value]
+from common import SIZES, cap_memory, gpt2_overrides
 
 
 def precision_of(args) -> str:
@@ -46,12 +30,7 @@ def precision_of(args) -> str:
 
 def overrides(size: str, args) -> list[str]:
     """The shardlm overrides of one measurement: GPT-2 BPE, from scratch, `args.extra` last (they win)."""
-    layers, heads, width = dims(size)
-    return [f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
-            f"model.n_positions={args.seq}", "model.tokenizer=gpt2", f"data.seq_len={args.seq}",
-            f"data.train={args.data}", f"train.batch_size={args.batch}", "train.max_steps=1000000",
-            f"parallel.precision={precision_of(args)}", "log.tensorboard=false",
-            "out_dir=/tmp/shardlm-mfu", *args.extra]
+    return gpt2_overrides(size, args.seq, args.batch, precision_of(args), args.data, args.extra)
 
 
 def measure(size: str, args) -> dict:

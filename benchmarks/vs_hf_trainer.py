@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"
+from common import DATA_HELP, DEFAULT_DATA, ROOT, HFBlocks, shardlm_overrides
 
 
 def settings(args) -> dict:
@@ -46,19 +45,6 @@ def peak_memory_gb() -> float:
     return peak_memory_bytes(torch.device("cuda" if torch.cuda.is_available() else "cpu")) / 2**30
 
 
-def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
-    m = s["model"]
-    return [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}", f"model.n_embd={m['n_embd']}",
-            f"model.n_positions={s['seq']}", f"model.tokenizer={s.get('tokenizer', 'gpt2')}", "model.dropout=0.0",
-            f"model.vocab_multiple={s.get('vocab_multiple', 1)}",
-            f"data.train={data}", f"data.seq_len={s['seq']}", f"train.batch_size={s['batch']}",
-            f"train.max_steps={s['steps']}",
-            "train.lr=6e-4", "train.warmup_steps=2", "train.weight_decay=0.1", "train.grad_clip=1.0",
-            f"parallel.precision={s['precision']}", "train.sample_tokens=0", "train.eval_every=0",
-            "log.tensorboard=false", "log.progress=none", "checkpoint.save_final=false",
-            "out_dir=/tmp/shardlm-bench-run", *extra]
-
-
 def run_shardlm(s: dict, data: str, extra: list[str]) -> dict:
     from shardlm.config import load_config
     from shardlm.training.trainer import Trainer
@@ -75,20 +61,6 @@ def run_shardlm(s: dict, data: str, extra: list[str]) -> dict:
     steady = times[s["warmup"]:]
     return {"tokens_per_s": tokens * len(steady) / sum(steady), "final_loss": loss,
             "peak_memory_gb": peak_memory_gb(), "rank": trainer.dist.rank}
-
-
-class HFBlocks:
-    """shardlm's blocks in shardlm's order as an HF Trainer dataset (HF shifts the labels inside the model)."""
-
-    def __init__(self, blocks, order):
-        self.blocks, self.order = blocks, order
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def __getitem__(self, i: int) -> dict:
-        row = self.blocks.get([self.order[i]])[0]
-        return {"input_ids": row[:-1], "labels": row[:-1]}
 
 
 def run_hf(s: dict, data: str) -> dict:
@@ -152,7 +124,7 @@ def launch(side: str, args, extra: list[str]) -> dict:
     """Run one side in its own process (tree) with the same flags; its RESULT line, parsed."""
     script = [str(Path(__file__).resolve()), "--side", side, "--steps", str(args.steps), "--data", args.data]
     flags = {"--batch": args.batch, "--seq": args.seq, "--precision": args.precision, "--warmup": args.warmup,
-             "--tokenizer": args.tokenizer,
+             "--tokenizer": args.tokenizer, "--vocab-multiple": args.vocab_multiple,
              "--model": ",".join(map(str, args.model)) if args.model else None}
     script += [x for k, v in flags.items() if v is not None for x in (k, str(v))]
     script += (["--gpu"] if args.gpu else []) + (["--hf-compile"] if args.hf_compile else [])
@@ -182,9 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="gpt2", help="gpt2 (the GPT-2 BPE) or bytes (tiny vocabulary, for tests)")
     p.add_argument("--hf-compile", action="store_true", help="HF Trainer with torch_compile=True")
     p.add_argument("--vocab-multiple", type=int, default=1, help="both sides: vocabulary padded to this multiple")
-    p.add_argument("--data", default=str(DATA if DATA.is_file() else "shakespeare"),
-                   help="training text (default: ../shared/data/wikitext-2/train.txt where it exists, else the "
-                        "bundled Tiny Shakespeare: shakespeare)")
+    p.add_argument("--data", default=DEFAULT_DATA, help=DATA_HELP)
     p.add_argument("--extra", action="append", default=[], help="extra shardlm override, e.g. parallel.compile=model")
     return p.parse_args(argv)
 

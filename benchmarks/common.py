@@ -1,0 +1,79 @@
+"""What the benchmark scripts share. Each script imports only this module and shardlm, never another script: one
+script uses another by running it (`python benchmarks/NAME.py ...`) and reading the JSON it prints.
+
+A script runs as `python benchmarks/NAME.py` (or under torchrun), which puts this folder first on sys.path, so
+`from common import ...` finds this file. Tests that test a script load it by its path (tests/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+# WikiText-2's train split where it exists beside the checkout, else the bundled Tiny Shakespeare
+DATA = ROOT.parent / "shared" / "data" / "wikitext-2" / "train.txt"
+DEFAULT_DATA = str(DATA if DATA.is_file() else "shakespeare")
+DATA_HELP = ("training text (default: ../shared/data/wikitext-2/train.txt where it exists, else the bundled Tiny "
+             "Shakespeare: shakespeare)")
+SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
+
+
+def dims(size: str) -> tuple[int, int, int]:
+    """(n_layer, n_head, n_embd) of a named GPT-2 size (SIZES) or of `LxHxC`, e.g. `2x2x64`."""
+    return SIZES[size] if size in SIZES else tuple(int(x) for x in size.split("x"))  # type: ignore[return-value]
+
+
+def gpt2_overrides(size: str, seq: int, batch: int, precision: str, data: str, extra: list[str]) -> list[str]:
+    """shardlm's overrides for a GPT-2 of `size` from scratch on GPT-2 BPE (benchmarks/mfu.py's measurement),
+    `extra` last (they win)."""
+    layers, heads, width = dims(size)
+    return [f"model.n_layer={layers}", f"model.n_head={heads}", f"model.n_embd={width}",
+            f"model.n_positions={seq}", "model.tokenizer=gpt2", f"data.seq_len={seq}",
+            f"data.train={data}", f"train.batch_size={batch}", "train.max_steps=1000000",
+            f"parallel.precision={precision}", "log.tensorboard=false",
+            "out_dir=/tmp/shardlm-mfu", *extra]
+
+
+def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
+    """shardlm's side of a comparison with HF Trainer (the settings `s` of benchmarks/vs_hf_trainer.py): no
+    dropout, AdamW as HF's, no evaluation, sample, TensorBoard or final checkpoint."""
+    m = s["model"]
+    return [f"model.n_layer={m['n_layer']}", f"model.n_head={m['n_head']}", f"model.n_embd={m['n_embd']}",
+            f"model.n_positions={s['seq']}", f"model.tokenizer={s.get('tokenizer', 'gpt2')}", "model.dropout=0.0",
+            f"model.vocab_multiple={s.get('vocab_multiple', 1)}",
+            f"data.train={data}", f"data.seq_len={s['seq']}", f"train.batch_size={s['batch']}",
+            f"train.max_steps={s['steps']}",
+            "train.lr=6e-4", "train.warmup_steps=2", "train.weight_decay=0.1", "train.grad_clip=1.0",
+            f"parallel.precision={s['precision']}", "train.sample_tokens=0", "train.eval_every=0",
+            "log.tensorboard=false", "log.progress=none", "checkpoint.save_final=false",
+            "out_dir=/tmp/shardlm-bench-run", *extra]
+
+
+class HFBlocks:
+    """shardlm's blocks in shardlm's order as an HF Trainer dataset (HF shifts the labels inside the model)."""
+
+    def __init__(self, blocks, order):
+        self.blocks, self.order = blocks, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.blocks.get([self.order[i]])[0]
+        return {"input_ids": row[:-1], "labels": row[:-1]}
+
+
+def cap_memory(cap_gb: float | None) -> None:
+    """Let this process allocate at most `cap_gb` GiB of CUDA memory (no-op on CPU or without a cap)."""
+    import torch
+
+    if cap_gb and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gb * 2**30 / total))
+
+
+def tail(proc: subprocess.CompletedProcess, chars: int = 2500) -> str:
+    """A failed subprocess in a few lines: its exit code, the end of its stdout and of its stderr."""
+    return f"exit {proc.returncode}: " + (proc.stdout[-chars // 2:] + "\n" + proc.stderr[-chars:]).strip()
