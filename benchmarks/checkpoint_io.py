@@ -20,7 +20,7 @@ def rss_gb() -> float:
     """This process's peak RSS so far, GiB."""
     import torch
 
-    from shardlm.observe.metrics import peak_memory_bytes
+    from shardlm.observe.hardware import peak_memory_bytes
 
     return peak_memory_bytes(torch.device("cpu")) / 2**30
 

@@ -262,7 +262,7 @@ def stage_resume(z: Sizes) -> dict:
 
 
 def stage_estimate_tune(z: Sizes) -> dict:
-    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.observe.hardware import measure_step_peak
     from shardlm.preflight.estimate import estimate
 
     cfg, trainer = build_trainer(z.estimate, "gpt2", z)

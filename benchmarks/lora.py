@@ -18,7 +18,7 @@ Each side runs in its own process. tokens/s is tokens per step / the MEDIAN step
 same with the fastest step (noise only adds time, so this is the quiet-machine figure); the step peak is measured
 on one extra step after them (not timed): on CPU the bytes resident before the step (parameters, buffers,
 optimizer state) plus the growth of peak RSS during it, with large blocks mmapped so that freed memory is
-returned (shardlm.observe.metrics.StepPeak, used for both frameworks); on CUDA max_memory_allocated. The last line
+returned (shardlm.observe.hardware.StepPeak, used for both frameworks); on CUDA max_memory_allocated. The last line
 of output is one JSON object with, per mode, every side, `lora_vs_full_peak` (LoRA step peak / full
 fine-tuning's), `speedup_vs_hf_peft` (shardlm LoRA tokens/s / HF's) and `memory_vs_hf_peft` (shardlm LoRA
 peak / HF's). HF's model keeps its config's `gelu_new`; shardlm computes the same tanh-GELU as one fused op.
@@ -69,7 +69,7 @@ def overrides(args, base: str, r: int) -> list[str]:
 def run_shardlm(args, r: int) -> dict:
     from shardlm.config import load_config
     from shardlm.models.lora import count
-    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.observe.hardware import measure_step_peak
     from shardlm.training.trainer import Trainer
 
     trainer = Trainer.from_config(load_config(None, overrides(args, args.base, r)))
@@ -96,7 +96,7 @@ def run_hf_peft(args) -> dict:
     from shardlm.config import load_config
     from shardlm.data import GlobalSampler, prepare_data
     from shardlm.distributed.process_group import Dist, LaunchInfo
-    from shardlm.observe.metrics import StepPeak
+    from shardlm.observe.hardware import StepPeak
     from shardlm.tokenizer import model_tokenizer
 
     cfg = load_config(None, overrides(args, args.base, 16))

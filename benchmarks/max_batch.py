@@ -38,7 +38,7 @@ def model_dims(args) -> dict:
 
 def trial_shardlm(args) -> int:
     from shardlm.config import load_config
-    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.observe.hardware import measure_step_peak
     from shardlm.training.trainer import Trainer
 
     s = {"model": model_dims(args), "seq": args.seq, "batch": args.batch, "precision": args.precision, "steps": 2}
@@ -52,7 +52,7 @@ def trial_hf(args) -> int:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from shardlm.observe.metrics import StepPeak
+    from shardlm.observe.hardware import StepPeak
 
     torch.manual_seed(0)
     config = GPT2Config(n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,

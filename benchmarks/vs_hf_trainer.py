@@ -40,7 +40,7 @@ def settings(args) -> dict:
 def peak_memory_gb() -> float:
     import torch
 
-    from shardlm.observe.metrics import peak_memory_bytes
+    from shardlm.observe.hardware import peak_memory_bytes
 
     return peak_memory_bytes(torch.device("cuda" if torch.cuda.is_available() else "cpu")) / 2**30
 

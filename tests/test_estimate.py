@@ -5,7 +5,7 @@ import torch
 
 from helpers import GPT2_VOCAB, tiny
 from shardlm.config import load_config
-from shardlm.observe.metrics import measure_step_peak
+from shardlm.observe.hardware import measure_step_peak
 from shardlm.preflight.estimate import estimate
 from shardlm.training.trainer import Trainer
 

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from helpers import GPT2_VOCAB, byte_gpt2_config, fp32_tol, on_cuda, tiny
 from shardlm.config import load_config
 from shardlm.models.loss import linear_cross_entropy
-from shardlm.observe.metrics import measure_step_peak
+from shardlm.observe.hardware import measure_step_peak
 from shardlm.training.trainer import Trainer
 
 N, D, V = 40, 16, 300

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardlm.observe.metrics import Eta
+from shardlm.observe.progress import Eta
 
 
 def test_eta_lands_within_15_percent_with_warmup_evals_and_saves():

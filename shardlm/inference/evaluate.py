@@ -39,7 +39,8 @@ from shardlm.inference.genquality import (
 from shardlm.inference.load import inference_config, load_for_inference
 from shardlm.models.causal_lm import auto_loss_chunk, context_length
 from shardlm.models.loss import IGNORE, linear_cross_entropy
-from shardlm.observe.metrics import eval_summary, fmt_time, held_out_words
+from shardlm.observe.metrics import eval_summary, held_out_words
+from shardlm.observe.progress import fmt_time
 
 
 class EvalProgress:

@@ -91,7 +91,7 @@ def _free() -> None:
 
 def run_trial(cfg: Config, steps: int, budget: float | None) -> tuple[bool, float, float]:
     """(fits, peak GiB, tokens/s) for one config; out-of-memory counts as not fitting."""
-    from shardlm.observe.metrics import measure_step_peak
+    from shardlm.observe.hardware import measure_step_peak
     from shardlm.training.trainer import Trainer
 
     trainer = None

@@ -20,18 +20,9 @@ from shardlm.config import task_defaults_note
 from shardlm.distributed import xla
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
-from shardlm.observe.metrics import (
-    Eta,
-    MetricsLog,
-    Progress,
-    StepTimer,
-    flops_per_token,
-    fmt_time,
-    gpu_utilization,
-    held_out_words,
-    peak_flops,
-    peak_memory_bytes,
-)
+from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
+from shardlm.observe.metrics import MetricsLog, flops_per_token, held_out_words
+from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
 
 if TYPE_CHECKING:
     from shardlm.training.build import Run

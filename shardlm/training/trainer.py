@@ -32,7 +32,8 @@ from shardlm.distributed.parallelize import clip_grad_norm, set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.fp8 import after_optimizer_step
-from shardlm.observe.metrics import eval_summary, peak_flops
+from shardlm.observe.hardware import peak_flops
+from shardlm.observe.metrics import eval_summary
 from shardlm.training import reporting
 from shardlm.training.build import Run, build
 from shardlm.training.schedule import ScheduleState
