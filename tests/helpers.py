@@ -147,3 +147,12 @@ def save_lora_base(folder: Path, family: str, seed: int) -> Path:
     else:
         model = GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=16, n_head=2))
     return save_hf_folder(model, folder)
+
+
+def generate_from_path(path, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8) -> list[str]:
+    """What `shardlm generate PATH --json` gives for one prompt, in process: the samples, prompt included, decoded
+    exactly (EOS as the tokenizer writes it), to compare with transformers' pipeline."""
+    from shardlm.inference.generate import iter_samples, load_generator
+
+    model, tokenizer = load_generator(str(path))
+    return [s.text for s in iter_samples(model, tokenizer, [prompt], max_new_tokens, temperature, 0, 1.0, 0, 1)]

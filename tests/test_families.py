@@ -16,10 +16,9 @@ import subprocess
 import pytest
 import torch
 
-from helpers import ROOT, python_cmd, save_hf_folder, tiny
+from helpers import ROOT, generate_from_path, python_cmd, save_hf_folder, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.inference.generate import generate_from_path
 from shardlm.models.causal_lm import TESTED_FAMILIES, CausalLM, empty_model, model_config
 from shardlm.tokenizer import byte_tokenizer
 

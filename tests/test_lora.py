@@ -78,9 +78,9 @@ def test_lora_exports_generate_and_eval_agree(lora_bases, lora_runs, family, cor
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, pipeline
 
+    from helpers import generate_from_path
     from shardlm.inference.evaluate import evaluate_path
     from shardlm.inference.export import export
-    from shardlm.inference.generate import generate_from_path
     from shardlm.inference.load import load_for_inference
     from shardlm.models.lora import inference_state
 

@@ -3,8 +3,8 @@ prompts (left padding), a sliding window past the model's context, streaming to 
 
 Text shown to people (`shardlm generate`, the sample at the end of training) is `readable`: each EOS, the
 boundary between documents, is the line DOCUMENT_END, other special tokens are left out, and a character cut
-off at the end by max_new_tokens is dropped rather than shown as U+FFFD. `--json` and `generate_from_path`
-keep the exact decoding (EOS as the tokenizer writes it, `<|endoftext|>`): code gets what the tokens are.
+off at the end by max_new_tokens is dropped rather than shown as U+FFFD. `--json` output
+keeps the exact decoding (EOS as the tokenizer writes it, `<|endoftext|>`): code gets what the tokens are.
 """
 
 from __future__ import annotations
@@ -247,14 +247,6 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: fl
                                   ("--batch-size", batch_size, batch_size >= 1, ">= 1")):
         if not ok:
             raise ShardlmError(f"{name} must be {want}, got {value}.")
-
-
-def generate_from_path(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, num_samples: int = 1) -> list[str]:
-    """Samples, prompt included, decoded exactly (for code, as `--json`; `generate_text` is for people)."""
-    model, tokenizer = load_generator(path)
-    return [s.text for s in iter_samples(model, tokenizer, [prompt], max_new_tokens, temperature, top_k, top_p, seed,
-                                         num_samples)]
 
 
 def load_generator(path: str):
