@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import OmegaConf
@@ -232,7 +232,7 @@ def build_config(flat: dict[str, Any]) -> Config:
             raise ShardlmError(
                 f"config key '{key}' expects {expected}, got {value!r} ({type(value).__name__})."
             ) from None
-    cfg: Config = OmegaConf.to_object(schema)  # type: ignore[assignment]
+    cfg = cast(Config, OmegaConf.to_object(schema))  # the structured schema gives back a Config
     cfg.parallel.sharding = canonical_sharding(cfg.parallel.sharding)
     validate(cfg)
     return cfg

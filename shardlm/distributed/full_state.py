@@ -5,7 +5,7 @@ tests). Sharded weights meet here with the model's own key names and folds (fp8 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -45,5 +45,5 @@ def gather_hf_model(model: nn.Module, hf_config, dist, device: str = "cpu") -> P
     fill_meta_buffers(hf)  # non-persistent buffers (rotary tables) are in no state dict
     hf.tie_weights()
     hf.config.use_cache = True
-    # transformers wraps PreTrainedModel.to in functools.wraps, whose typeshed type does not bind `self`
-    return hf.to(device).eval()  # type: ignore[arg-type]
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose type does not bind `self` in some releases
+    return cast(Any, hf).to(device).eval()

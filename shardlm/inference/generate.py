@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import torch
 from torch import nn
@@ -70,9 +70,9 @@ def generate_batch(hf_model: PreTrainedModel, prompts: list[list[int]], max_new_
         steps = min(min(max_new_tokens - len(new[i]) for i in active), context - width)
         ids = torch.tensor([[pad] * (width - len(w)) + w for w in windows], device=device)
         mask = torch.tensor([[0] * (width - len(w)) + [1] * len(w) for w in windows], device=device)
-        # transformers types generate's `self` as a Protocol (for the ty checker) that mypy finds no
-        # PreTrainedModel satisfies: a gap in its annotations, the model is a GenerationMixin (checked above)
-        out = hf_model.generate(ids, attention_mask=mask, max_new_tokens=steps,  # type: ignore[misc]
+        # transformers' annotations of generate's `self` differ by release (a Protocol some mypy runs find no
+        # PreTrainedModel satisfies); the model is a GenerationMixin (checked above)
+        out = cast(Any, hf_model).generate(ids, attention_mask=mask, max_new_tokens=steps,
                                 do_sample=not greedy, pad_token_id=pad, eos_token_id=eos, use_cache=True,
                                 streamer=streamer, **sampling)[:, width:].tolist()
         still = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -140,8 +140,8 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir(ckpt)), trust_remote_code=trust_remote_code)
     model.config.use_cache = True
     fill_meta_buffers(model)
-    # transformers wraps PreTrainedModel.to in functools.wraps, whose typeshed type does not bind `self`
-    return model.to(device).eval(), tokenizer, cfg, ckpt  # type: ignore[arg-type]
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose type does not bind `self` in some releases
+    return cast(Any, model).to(device).eval(), tokenizer, cfg, ckpt
 
 
 def inference_config(cfg: Config | None) -> Config:

@@ -23,7 +23,7 @@ Design:
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -165,7 +165,7 @@ def peft_config(hf_model: PreTrainedModel, lc: LoraConfig):
     targets = targets_of(hf_model, lc)
     conv1d = any(isinstance(m, Conv1D) and _matches(n, targets) for n, m in hf_model.named_modules())
     return PeftLoraConfig(r=lc.r,
-                          lora_alpha=lc.alpha,  # type: ignore[arg-type]  # PEFT annotates int; a float only scales (alpha / r)
+                          lora_alpha=cast(Any, lc.alpha),  # PEFT annotates int; a float only scales (alpha / r)
                           lora_dropout=lc.dropout, target_modules=targets,
                           bias="none", task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
 
