@@ -160,6 +160,7 @@ TRAIN_EXAMPLES = """examples:
   shardlm train gpt2_wikitext2 --nproc 4             a bundled config by name (shardlm configs lists them)
   shardlm train my.yaml train.max_steps=100 out_dir=runs/short   a config file and overrides
   shardlm train CONFIG --dry-run                     check config, data, model and plan; train nothing
+  shardlm resume runs/short train.max_steps=200      continue a run from its saved config (or: train RUN_DIR)
 options, config files and key=value overrides mix in any order; later files and overrides win.
 """
 
