@@ -36,3 +36,13 @@ def test_dry_run_makes_the_checks_of_build(corpus, cache_dir, tmp_path, monkeypa
     with pytest.raises(ShardlmError, match=message):
         dry_run(load_config(None, [*args, f"out_dir={extra.get('out_dir', tmp_path / 'run')}"]), 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_dry_run_of_a_finished_run_says_it_would_train_nothing(corpus, cache_dir, tmp_path):
+    """The run itself says "nothing to train" when its checkpoint is at the config's last step; so does the dry
+    run, instead of reporting the steps it would not train."""
+    args = ["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 2})]
+    shardlm_cli(args)
+    assert "nothing to train" not in shardlm_cli([*args, "train.max_steps=3", "--dry-run"]).stdout  # later wins
+    dry = shardlm_cli([*args, "--dry-run"]).stdout
+    assert "nothing to train: the checkpoint is step 2 and this config ends at step 2" in dry, dry

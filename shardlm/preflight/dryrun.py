@@ -77,17 +77,18 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
                                f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
 
 
-def _resume_lines(cfg: Config, hf_cfg) -> list[str]:
-    """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it."""
+def _resume_lines(cfg: Config, hf_cfg) -> tuple[list[str], int | None]:
+    """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it; the
+    checkpoint's step (None: nothing to resume)."""
     from shardlm.checkpoint.layout import resume_target
     from shardlm.checkpoint.provenance import base_identity, check_resumable
 
     path = resume_target(cfg.checkpoint.resume, Path(cfg.out_dir), log=lambda *_: None)
     if path is None:
-        return []
+        return [], None
     manifest = check_resumable(path, cfg, hf_cfg, lambda known: base_identity(cfg.model.name, known)
                                if lora.enabled(cfg.lora) and cfg.model.name else None)
-    return [f"resume: {path} (step {manifest['step']})"]
+    return [f"resume: {path} (step {manifest['step']})"], manifest["step"]
 
 
 def enough_tokens(cfg: Config, world: int) -> int:
@@ -99,8 +100,9 @@ def enough_tokens(cfg: Config, world: int) -> int:
     return math.ceil(train_tokens / (1 - d.val_fraction)) + math.ceil((val_blocks * d.seq_len + 2) / d.val_fraction)
 
 
-def _blocks_line(cfg: Config, tokenizer, world: int) -> str:
-    """The run's block and step checks, on counted tokens (`counting_loader`): the same messages."""
+def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None]:
+    """The run's block and step checks, on counted tokens (`counting_loader`): the same messages; the run's
+    steps where they are known (None: not counted)."""
     from shardlm.data import counting_loader, prepare_data
     from shardlm.data.sources import resolve
     from shardlm.training.build import count_steps
@@ -108,18 +110,19 @@ def _blocks_line(cfg: Config, tokenizer, world: int) -> str:
     d = cfg.data
     specs = [*(d.train if isinstance(d.train, list) else [d.train]), *([d.val] if d.val else [])]
     if tokenizer is None:
-        return "blocks: not counted (the tokenizer is a hub name that cannot be reached)"
+        return "blocks: not counted (the tokenizer is a hub name that cannot be reached)", cfg.train.max_steps
     if any(resolve(spec, "train", d.data_files).hf for spec in specs):
-        return "blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)"
+        return "blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)", cfg.train.max_steps
     exact: list[bool] = []
     train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
     steps = count_steps(cfg, train, world)
     _check_generation(cfg, val)
     blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
     if all(exact):
-        return f"blocks: {blocks}; {steps:,} steps"
+        return f"blocks: {blocks}; {steps:,} steps", steps
     steps_known = f"; {steps:,} steps" if cfg.train.max_steps is not None else ""
-    return f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}"
+    return (f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}",
+            cfg.train.max_steps)
 
 
 def _check_generation(cfg: Config, val) -> None:
@@ -165,8 +168,12 @@ def dry_run(cfg: Config, world_size: int) -> str:
     data_lines = [*(_data_line(name, spec, "train", d.data_files, d.text_field) for name, spec in specs),
                   _data_line("data.val", d.val, "validation", d.data_files, d.text_field)]
     world = world_size * (xla.device_count() if device.type == "xla" else 1)
-    blocks = _blocks_line(cfg, tokenizer, world)
-    resume = _resume_lines(cfg, hf_cfg) if hf_cfg is not None else []
+    blocks, steps = _blocks_line(cfg, tokenizer, world)
+    resume, resumed = _resume_lines(cfg, hf_cfg) if hf_cfg is not None else ([], None)
+    done = resumed is not None and steps is not None and resumed >= steps > 0
+    finished = [f"nothing to train: the checkpoint is step {resumed} and this config ends at step {steps}. To "
+                "train further raise train.max_steps (or train.epochs); to start over use a new out_dir or "
+                "checkpoint.resume=none."] if done else []
     note = task_defaults_note(cfg)
     lines = [*data_lines, blocks, *model_lines, *resume,
              f"plan: {world_size} rank(s) on {device.type}, "
@@ -174,6 +181,6 @@ def dry_run(cfg: Config, world_size: int) -> str:
              + f", {cfg.parallel.precision}, compile {pl.compile}",
              f"global batch: {world} x {cfg.train.batch_size} x {cfg.train.grad_accum} blocks of "
              f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
-             *([note] if note else []),
+             *([note] if note else []), *finished,
              "dry run: the config is valid; nothing was trained or written"]
     return "\n".join(lines)
