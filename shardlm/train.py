@@ -18,8 +18,9 @@ from shardlm.training.build import Run, build
 from shardlm.training.trainer import Trainer
 
 
-def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
-    """`callbacks`: shardlm.callbacks objects (`shardlm train --callback SPEC` loads them by name)."""
+def train(cfg: Config, callbacks: Iterable[object] = (), *, continued: bool = False) -> dict:
+    """`callbacks`: shardlm.callbacks objects (`shardlm train --callback SPEC` loads them by name). `continued`:
+    the config was read from the run's own config.yaml (`shardlm resume`), so a change is one the user typed."""
     tracking.require(cfg.log)  # a tracker that is not installed fails before any work
     run = build(cfg)
     trainer = Trainer(run, checkpoint=True, callbacks=[*callbacks, *generation_callback(run)])
@@ -31,7 +32,7 @@ def train(cfg: Config, callbacks: Iterable[object] = ()) -> dict:
                        "over use a new out_dir or checkpoint.resume=none.")
         return {"val": None, "steps": trainer.step, "wall_s": 0.0}
     if run.dist.is_main:
-        record_config(cfg, run.out_dir, run.dist.print)
+        record_config(cfg, run.out_dir, run.dist.print, hint=not continued)
     result = trainer.fit()
     if trainer.stop_reason:
         run.dist.print(f"stopped at step {trainer.step} for good ({trainer.stop_reason}); checkpoints: "
@@ -77,7 +78,7 @@ def generation_callback(run: Run) -> list[GenerationQuality]:
     return [GenerationQuality(t.gen_every, t.gen_samples)]
 
 
-def record_config(cfg: Config, out_dir: Path, log=print) -> None:
+def record_config(cfg: Config, out_dir: Path, log=print, hint: bool = True) -> None:
     """Write `config.yaml` once training starts. A changed config of an earlier invocation is kept as
     `config.N.yaml` (N = 1, 2, ...) and the change is printed, so a run folder tells its whole history."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,6 @@ def record_config(cfg: Config, out_dir: Path, log=print) -> None:
         path.rename(out_dir / f"config.{n}.yaml")
         log("config changed since the last invocation (previous kept as "
             f"config.{n}.yaml): " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items())
-            + f". (`shardlm resume {out_dir}` continues with the saved config, repeating nothing.)")
+            + (f". (`shardlm resume {out_dir}` continues with the saved config, repeating nothing.)" if hint else "."))
     save_config(cfg, path)
 

@@ -180,6 +180,7 @@ def test_resume_continues_a_run_from_its_saved_config(corpus, cache_dir, tmp_pat
     out = shardlm_cli(["resume", str(run), "train.max_steps=6"]).stdout
     assert "resumed from" in out and "step 4" in out
     assert "config changed since the last invocation (previous kept as config.1.yaml): train.max_steps 4 -> 6." in out
+    assert "shardlm resume" not in out  # no hint to do what was just done
     out = shardlm_cli(["train", str(run / "checkpoints" / "step_000000004"), "train.max_steps=6"]).stdout
     assert "resumed from" in out and "step_000000004" in out and sorted(by_step(run)) == list(range(1, 7))
     shutil.copytree(run, empty, ignore=shutil.ignore_patterns("checkpoints"))
