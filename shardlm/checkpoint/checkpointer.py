@@ -23,7 +23,6 @@ import os
 import shutil
 import signal
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,9 +43,6 @@ from shardlm.models import lora
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-# One process without a process group saves and loads through the same DCP path; DCP warns about it.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # torch 2.9's DCP writer
 
 
 # Where each part of a checkpoint goes: tensors into DCP's shards; per-rank parts into PART_rankNNNNN.json;
