@@ -20,12 +20,16 @@ def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> 
     overrides apply on top (and are reported as changes). `must_resume`: no complete checkpoint is an error."""
     from shardlm.checkpoint import layout
     from shardlm.checkpoint.layout import run_dir_of
+    from shardlm.hub import nearest_path
 
     runs = [Path(c) for c in config if Path(c).is_dir() and (Path(c) / layout.CONFIG).is_file()]
     if not runs:
         if must_resume:
-            raise ShardlmError(f"'{config[0] if config else ''}' is not a run folder (no config.yaml in it): give the "
-                               "out_dir of a run (shardlm resume runs/NAME), or start one with shardlm train.")
+            given = config[0] if config else ""
+            problem = "is not a run folder (no config.yaml in it)." if Path(given).exists() else \
+                f"does not exist.{nearest_path(given)}"
+            raise ShardlmError(f"'{given}' {problem} Give the out_dir of a run (shardlm resume runs/NAME), or start "
+                               "one with shardlm train.")
         return config, overrides
     if len(runs) > 1:
         raise ShardlmError(f"two runs given ({runs[0]}, {runs[1]}): continue one run at a time.")

@@ -91,11 +91,13 @@ def check_model_path(name: str) -> None:
            "`shardlm export`), or give a hub name such as gpt2.")
     if path.exists():
         raise ShardlmError(f"model.name '{name}' is a file, not a folder. {fix}")
-    raise ShardlmError(f"model.name '{name}' is a path that does not exist.{_did_you_mean(name)} {fix}")
+    raise ShardlmError(f"model.name '{name}' is a path that does not exist.{nearest_path(name)} {fix}")
 
 
-def _did_you_mean(name: str) -> str:
-    """The existing folder one component away from `name` (a sibling of the first missing part), if close."""
+def nearest_path(name: str | Path, folder: bool = True) -> str:
+    """` Did you mean 'X'?` for the existing path one component away from `name` (the closest sibling of its first
+    missing part: a folder, or with `folder=False` any file), or "" when none is close."""
+    name = str(name)
     parts = Path(name).parts
     for i, part in enumerate(parts):
         base = Path(*parts[:i]).expanduser() if i else Path(".")
@@ -103,10 +105,11 @@ def _did_you_mean(name: str) -> str:
             break
     else:
         return ""
-    siblings = [p.name for p in base.iterdir() if p.is_dir()] if base.is_dir() else []
+    siblings = [p.name for p in base.iterdir() if p.is_dir() or not folder] if base.is_dir() else []
     match = difflib.get_close_matches(part, siblings, n=1, cutoff=0.6)
     if not match:
         return ""
     guess = str(Path(*parts[:i], match[0], *parts[i + 1:]))
     guess = "./" + guess if name.startswith("./") else guess
-    return f" Did you mean '{guess}'?" if Path(guess).expanduser().is_dir() else ""
+    found = Path(guess).expanduser()
+    return f" Did you mean '{guess}'?" if (found.is_dir() if folder else found.exists()) else ""

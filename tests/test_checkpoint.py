@@ -187,8 +187,12 @@ def test_resume_continues_a_run_from_its_saved_config(corpus, cache_dir, tmp_pat
     proc = shardlm_cli(["resume", str(empty)], check=False)
     assert proc.returncode == 2 and f"error: no complete checkpoint in '{empty}' (it has none)" in proc.stderr
     assert "checkpoint.resume=none" in proc.stderr
-    proc = shardlm_cli(["resume", str(tmp_path / "missing"), "checkpoint.resume=/missing"], check=False)
-    assert proc.returncode == 2 and "is not a run folder (no config.yaml in it)" in proc.stderr
+    proc = shardlm_cli(["resume", str(tmp_path / "rum")], check=False)
+    assert proc.returncode == 2 and f"'{tmp_path / 'rum'}' does not exist. Did you mean '{run}'?" in proc.stderr
+    proc = shardlm_cli(["resume", str(tmp_path)], check=False)
+    assert proc.returncode == 2 and "is not a run folder (no config.yaml in it)." in proc.stderr
+    proc = shardlm_cli(["eval", str(run / "checkpoints" / "step_4")], check=False)
+    assert "does not exist. That folder holds step_000000006, step_000000004. Give" in proc.stderr, proc.stderr
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, empty, **{"checkpoint.resume": tmp_path / "gone"})],
                        check=False)
     assert proc.returncode == 2 and f"checkpoint path '{tmp_path / 'gone'}' does not exist. Give a run dir" in \

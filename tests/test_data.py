@@ -472,3 +472,12 @@ def test_arrow_folder_that_is_not_a_dataset(tmp_path):
     assert "(gone.arrow, listed in its state.json, is missing)" in _data_error(tmp_path / "ds", tmp_path)
     (tmp_path / "ds" / "state.json").write_text("{not json")
     assert "(state.json is not readable JSON" in _data_error(tmp_path / "ds", tmp_path)
+
+
+def test_a_mistyped_data_path_names_the_file_beside_it(tmp_path, monkeypatch):
+    from shardlm.data.sources import resolve
+
+    (tmp_path / "speeches.csv").write_text("text\nhello\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ShardlmError, match=r"data path 'speechs.csv' does not exist. Did you mean 'speeches.csv'\?"):
+        resolve("speechs.csv", "train", None)

@@ -20,6 +20,7 @@ import yaml
 
 from shardlm import ShardlmError
 from shardlm.config import Config, config_from_dict
+from shardlm.hub import nearest_path
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -89,7 +90,8 @@ def resolve_checkpoint(path: str | Path, log=print) -> Path:
     """A checkpoint folder, or a run dir's newest complete one."""
     path = Path(path).expanduser()
     if not path.exists():
-        raise ShardlmError(f"checkpoint path '{path}' does not exist. Give a run dir (its newest checkpoint is used) "
+        raise ShardlmError(f"checkpoint path '{path}' does not exist.{nearby(path)} Give a run dir (its newest "
+                           "checkpoint is used) "
                            "or a checkpoint folder RUN/checkpoints/step_N; to train, checkpoint.resume=auto resumes "
                            "out_dir's own and checkpoint.resume=none starts fresh.")
     if (path / MANIFEST).is_file() or path.name.startswith("step_"):
@@ -113,6 +115,14 @@ def resume_target(spec: str, root: Path, log=print) -> Path | None:
     if spec == "none":
         return None
     return newest_complete(root, log) if spec == "auto" else resolve_checkpoint(spec, log)
+
+
+def nearby(path: Path) -> str:
+    """The checkpoints beside a missing one (`step_9` for `step_000000009`), else the closest existing folder."""
+    if path.parent.name == CHECKPOINTS and path.parent.is_dir():
+        names = [p.name for p in list_checkpoints(path.parent)][:3]
+        return f" That folder holds {', '.join(names)}." if names else " That folder holds no checkpoint."
+    return nearest_path(path)
 
 
 def read_config(folder: Path) -> Config:

@@ -23,7 +23,7 @@ from typing import Any
 from shardlm import ShardlmError
 from shardlm.data import readers, tables
 from shardlm.data.readers import ReplaceCounter, inner_suffix
-from shardlm.hub import hub_reachable
+from shardlm.hub import hub_reachable, nearest_path
 
 BUNDLED = {"shakespeare": Path(__file__).parent.parent / "assets" / "tinyshakespeare" / "input.txt"}
 TEXT_SUFFIXES = (".txt", ".csv", ".jsonl", ".json")
@@ -87,7 +87,8 @@ def resolve(spec: str, default_split: str = "train", data_files: Any = None) -> 
         return Source(spec, hf=(repo, config, split), data_files=data_files if repo in PACKAGED else None)
     path = BUNDLED.get(spec, Path(spec).expanduser())
     if not path.exists():
-        raise ShardlmError(f"data path '{spec}' does not exist. Give a {NAMES} file, a folder of them, a "
+        raise ShardlmError(f"data path '{spec}' does not exist.{nearest_path(spec, folder=False)} Give a {NAMES} "
+                           "file, a folder of them, a "
                            "save_to_disk folder, 'shakespeare' (bundled) or hf:NAME for a Hugging Face dataset.")
     if path.is_dir():
         files = tuple(_folder_files(path, default_split))

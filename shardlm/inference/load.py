@@ -21,7 +21,14 @@ import torch.distributed.checkpoint as dcp
 
 from shardlm import ShardlmError
 from shardlm.checkpoint import provenance
-from shardlm.checkpoint.layout import read_config, read_hf_config, read_manifest, resolve_checkpoint, tokenizer_dir
+from shardlm.checkpoint.layout import (
+    nearby,
+    read_config,
+    read_hf_config,
+    read_manifest,
+    resolve_checkpoint,
+    tokenizer_dir,
+)
 from shardlm.config import Config, LoraConfig
 from shardlm.models.causal_lm import fill_meta_buffers
 from shardlm.models.state_keys import CHECKPOINT, checkpoint_key, to_hf
@@ -118,7 +125,8 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
 
     path = Path(path).expanduser()
     if not path.exists():
-        raise ShardlmError(f"'{path}' does not exist: give a checkpoint, a run dir or an exported HF folder.")
+        raise ShardlmError(f"'{path}' does not exist.{nearby(path)} Give a checkpoint, a run dir or an "
+                           "exported HF folder.")
     model: PreTrainedModel
     if is_hf_folder(path):
         model = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=trust_remote_code,
