@@ -19,7 +19,7 @@ def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> 
     config goes continues that run from its saved config.yaml, with nothing to repeat; later configs and
     overrides apply on top (and are reported as changes). `must_resume`: no complete checkpoint is an error."""
     from shardlm.checkpoint import layout
-    from shardlm.checkpoint.layout import run_dir_of
+    from shardlm.checkpoint.layout import resolve_checkpoint, run_dir_of
     from shardlm.hub import nearest_path
 
     runs = [Path(c) for c in config if Path(c).is_dir() and (Path(c) / layout.CONFIG).is_file()]
@@ -36,8 +36,6 @@ def continue_run(config: list[str], overrides: list[str], must_resume: bool) -> 
     path = runs[0]
     is_checkpoint = (path / layout.MANIFEST).is_file() and run_dir_of(path) is not None
     if must_resume and not is_checkpoint:
-        from shardlm.checkpoint.layout import resolve_checkpoint
-
         resolve_checkpoint(path, log=lambda _: None)  # none complete: say so before anything starts
     # a run dir resumes its newest checkpoint (auto), whatever the saved config named
     where = [f"out_dir={run_dir_of(path)}", f"checkpoint.resume={path}"] if is_checkpoint else \

@@ -104,24 +104,30 @@ def _term_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def child_pids(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (Linux /proc; empty elsewhere, where signals go to the group)."""
-    kids = []
+def _parents() -> dict[int, int]:
+    """Each process id -> its parent's (Linux /proc; empty elsewhere, where signals go to the group)."""
+    parents = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(stat.parent.name))
-    return kids
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    return parents
+
+
+def child_pids(pid: int) -> list[int]:
+    """Process ids whose parent is `pid`."""
+    return [child for child, parent in _parents().items() if parent == pid]
 
 
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (its children, theirs, ...), parents before their children; empty where there
     is no /proc. A snapshot to signal afterwards: a process whose parent dies is re-parented, out of the tree.
     torchrun's ranks start sessions of their own, so killing a tree takes this, not a process group."""
+    parents = _parents()  # one read of /proc for the whole tree
     found: list[int] = []
     todo = [pid]
     while todo:
-        kids = [k for k in child_pids(todo.pop(0)) if k != pid and k not in found]
+        parent = todo.pop(0)
+        kids = [k for k, p in parents.items() if p == parent and k != pid and k not in found]
         found += kids
         todo += kids
     return found

@@ -78,7 +78,7 @@ def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> P
     import sys
 
     from shardlm.checkpoint.layout import resolve_checkpoint
-    from shardlm.inference.load import load_lora_checkpoint, manifest_of
+    from shardlm.inference.load import load_lora_checkpoint
 
     source = Path(path).expanduser()
     if not source.exists():
@@ -87,7 +87,7 @@ def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> P
         raise ShardlmError(f"export --adapter reads a LoRA run dir or checkpoint; '{source}' is an exported folder. "
                            "Give the run dir it came from.")
     ckpt = resolve_checkpoint(source, log=lambda m: print(m, file=sys.stderr))
-    if not manifest_of(ckpt).get("lora"):
+    if not read_manifest(ckpt).get("lora"):
         raise ShardlmError(f"export --adapter writes a LoRA adapter, but {ckpt} is a full fine-tuning checkpoint "
                            "(lora.r=0): it has no adapter. Export it without --adapter (a full model folder).")
     cfg = read_config(ckpt)

@@ -45,17 +45,13 @@ def is_adapter_folder(path: Path) -> bool:
     return (path / "adapter_config.json").is_file()
 
 
-def manifest_of(ckpt: Path) -> dict:
-    return read_manifest(ckpt)
-
-
 def load_lora_checkpoint(ckpt: Path, cfg: Config):
     """A `peft.PeftModel` (CPU, fp32, unmerged): the run's base model + the checkpoint's adapter weights."""
 
     from shardlm.models import lora
     from shardlm.models.causal_lm import initial_model
 
-    manifest = manifest_of(ckpt)
+    manifest = read_manifest(ckpt)
     saved = manifest.get("base") or {}
     name = cfg.model.name
     if name is None:  # the config check refuses LoRA without a pretrained base
@@ -140,7 +136,7 @@ def load_for_inference(path: str | Path, device: str = "cpu", trust_remote_code:
         ckpt = resolve_checkpoint(path, log=lambda m: print(m, file=sys.stderr))
         cfg = read_config(ckpt)
         trust_remote_code = trust_remote_code or cfg.model.trust_remote_code
-        if manifest_of(ckpt).get("lora"):
+        if read_manifest(ckpt).get("lora"):
             model = load_lora_checkpoint(ckpt, cfg).merge_and_unload()
             cfg = dataclasses.replace(cfg, lora=LoraConfig())  # what is returned is a plain (merged) model
         else:

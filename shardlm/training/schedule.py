@@ -22,7 +22,7 @@ class WarmupCosine:
 
     def __init__(self, warmup: int, total: int, min_ratio: float):
         self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
-        self.decay_from: int | None = None  # set by `retarget`: the step a moved end's decay starts at
+        self.decay_from: int | None = None  # set by `configure`: the step a moved end's decay starts at
         self.decay_top = 1.0  # the factor at `decay_from`
 
     def __call__(self, step: int) -> float:
@@ -42,10 +42,11 @@ class WarmupCosine:
         if self.decay_from is not None or step >= self.warmup:  # in warmup nothing has decayed yet
             self.decay_top, self.decay_from = self(step), step
         self.total = planned.total
-        then = (f"stays at train.min_lr_ratio={self.min_ratio:g} x train.lr" if self(step) == self.min_ratio else
+        now = self(step)
+        then = (f"stays at train.min_lr_ratio={self.min_ratio:g} x train.lr" if now == self.min_ratio else
                 f"decays to train.min_lr_ratio={self.min_ratio:g} x train.lr at step {planned.total}")
         return (f"the run's end moved from step {old} to {planned.total}: the learning rate continues from its "
-                f"value at step {step} ({self(step):.3g} x train.lr) and {then}, without a jump")
+                f"value at step {step} ({now:.3g} x train.lr) and {then}, without a jump")
 
 
 class ScheduleState:
