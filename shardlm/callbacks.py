@@ -50,6 +50,7 @@ class StepResult(TypedDict):
     grad_norm: float
     finite: bool
     lr: float
+    targets: int  # target tokens of the whole step (every rank): the loss is their mean
 
 
 class TrainerView(Protocol):

@@ -84,13 +84,51 @@ def model_tokenizer(model: ModelConfig):
         check_model_path(model.name)
     spec = tokenizer_spec(model)
     try:
-        return load_tokenizer(spec, model.trust_remote_code)
+        tok = load_tokenizer(spec, model.trust_remote_code)
     except ShardlmError as e:
         if model.tokenizer is not None:
             raise
         raise ShardlmError(f"the tokenizer of model '{model.name}' (model.tokenizer is unset, so the model's own "
                            f"is used) could not be loaded: {str(e).split(': ', 1)[-1]} Set model.tokenizer to the "
                            "model's tokenizer (a folder or hub name).") from None
+    set_chat_template(tok, model.chat_template)
+    return tok
+
+
+CHATML = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+          "{%- endif -%}")
+# No new tokens: for a pretrained model whose vocabulary has no room for ChatML's two
+PLAIN = ("{%- for message in messages -%}{%- if message['role'] == 'system' -%}{{ message['content'] + '\n\n' }}"
+         "{%- elif message['role'] == 'user' -%}{{ 'User: ' + message['content'] + '\n' }}"
+         "{%- elif message['role'] == 'assistant' -%}{{ 'Assistant: ' + message['content'] + eos_token + '\n' }}"
+         "{%- else -%}{{ raise_exception('the plain chat template has no role ' + message['role']) }}{%- endif -%}"
+         "{%- endfor -%}{%- if add_generation_prompt -%}{{ 'Assistant:' }}{%- endif -%}")
+BUILTIN_TEMPLATES = {"chatml": (CHATML, ["<|im_start|>", "<|im_end|>"]), "plain": (PLAIN, [])}
+
+
+def set_chat_template(tok, spec: str | None) -> None:
+    """`model.chat_template`: a built-in (`chatml` adds its two special tokens when the tokenizer lacks them) or a
+    Jinja file, set on the tokenizer so that checkpoints and exports carry it. None keeps the tokenizer's own."""
+    if spec is None:
+        return
+    if spec in BUILTIN_TEMPLATES:
+        text, tokens = BUILTIN_TEMPLATES[spec]
+        missing = [t for t in tokens if t not in tok.get_vocab()]
+        if missing:
+            tok.add_special_tokens({"additional_special_tokens": missing})
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ShardlmError(f"model.chat_template={spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
+                               "nor a file. Give a .jinja file holding a chat template, or a built-in name.")
+        text = path.read_text(encoding="utf-8")
+    tok.chat_template = text
+
+
+def template_fingerprint(tok) -> str:
+    """A hash of the chat template (keys the example cache: a new template renders other ids)."""
+    return hashlib.sha256(str(getattr(tok, "chat_template", None) or "").encode()).hexdigest()[:16]
 
 
 def fingerprint(tok) -> str:

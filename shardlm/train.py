@@ -7,9 +7,11 @@ from pathlib import Path
 
 import yaml
 
+from shardlm import ShardlmError
 from shardlm.checkpoint import layout
 from shardlm.checkpoint.layout import checkpoints_dir, metrics_file
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
+from shardlm.data import MixtureBlocks, TokenBlocks
 from shardlm.distributed.full_state import gather_hf_model
 from shardlm.inference.generate import generate_text
 from shardlm.inference.genquality import GenerationQuality
@@ -73,6 +75,10 @@ def generation_callback(run: Run) -> list[GenerationQuality]:
     for module in MODULES:
         require(module)
     val = run.val
+    if not isinstance(val, (TokenBlocks, MixtureBlocks)) or not all(isinstance(p, TokenBlocks) for p in
+                                                                    getattr(val, "parts", [val])):
+        raise ShardlmError("train.gen_every scores continuations of held-out text; the validation data holds "
+                           "examples. Score their answers with `shardlm eval RUN --exact-match` instead.")
     held_out_prompts(val.tokens[val.start:val.end], val.seq_len, t.gen_samples, val.seq_len // 2,
                      option="train.gen_samples")
     return [GenerationQuality(t.gen_every, t.gen_samples)]

@@ -10,10 +10,13 @@ from shardlm.config.schema import (
     ATTENTION_CHOICES,
     CHOICE_HINTS,
     COMPILES,
+    DATA_FORMATS,
     LAUNCHERS,
+    ON_BAD_EXAMPLE,
     PRECISIONS,
     SHARDING_ALIASES,
     SHARDINGS,
+    TRUNCATIONS,
     Config,
 )
 from shardlm.config.suggest import nearest
@@ -45,6 +48,9 @@ def validate(cfg: Config) -> None:
         ("parallel.compile", cfg.parallel.compile, COMPILES),
         ("parallel.device", cfg.parallel.device, ("auto", "cpu", "cuda", "xla")),
         ("log.progress", cfg.log.progress, ("auto", "bar", "lines", "none")),
+        ("data.format", cfg.data.format, DATA_FORMATS),
+        ("data.truncation", cfg.data.truncation, TRUNCATIONS),
+        ("data.on_bad_example", cfg.data.on_bad_example, ON_BAD_EXAMPLE),
     ):
         if value not in choices:
             raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{nearest(value, choices)}"

@@ -27,6 +27,9 @@ CHOICE_HINTS = {"parallel.sharding": " ZeRO / FSDP1 names work too: zero3 or FUL
 
 # auto, or the transformers attn_implementation used as given (sdpa: transformers' own masks)
 ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+DATA_FORMATS = ("auto", "text", "completion", "chat")
+TRUNCATIONS = ("truncate", "drop", "error")
+ON_BAD_EXAMPLE = ("error", "skip")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class ModelConfig:
     attention: str = "auto"  # auto = SDPA (causal kernels, no mask), else eager; or sdpa, eager, flash_attention_2, ...
     tokenizer: str | None = None  # None = the model's own, bytes from scratch; or bytes, gpt2, a folder, a hub name
     trust_remote_code: bool = False  # allow Hub models that ship their own code (off: safe by default)
+    chat_template: str | None = None  # None = the tokenizer's own; or a .jinja file, or a built-in: chatml, plain
 
 
 @dataclass
@@ -67,6 +71,12 @@ class DataConfig:
     hf_rows_are_documents: bool = True  # False for line-per-row datasets such as wikitext (no EOS per row)
     cache_dir: str | None = None  # token cache; None = ~/.cache/shardlm (or $SHARDLM_CACHE)
     data_files: Any = None  # for hf:json / hf:parquet / hf:csv / hf:text: a path, glob, list, or {split: files}
+    format: str = "auto"  # auto (from each source's fields) | text | completion (prompt/completion, Alpaca) | chat
+    train_on_prompt: bool = False  # examples: also train on prompts and user turns (default: answers only)
+    packing: bool = True  # examples: pack whole examples into seq_len rows (attention isolated); false = pad each
+    truncation: str = "truncate"  # examples longer than seq_len: truncate (keep the start), drop or error
+    on_bad_example: str = "error"  # a malformed example: error (file:line and the fix) or skip (counted)
+    system_prompt: str | None = None  # chat examples without a system message get this one; None = none
 
 
 @dataclass

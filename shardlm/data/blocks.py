@@ -10,9 +10,60 @@ a checkpoint's position resumes on any world size.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
+
+IGNORE = -100  # a position that is not a target
+
+
+class Batch(NamedTuple):
+    """A micro-batch: inputs, targets (-100 = not a target) and, for packed examples, position ids that restart
+    per example (transformers then keeps attention inside each example); None for text blocks."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    def map(self, fn) -> Batch:
+        return Batch(fn(self.inputs), fn(self.targets), None if self.positions is None else fn(self.positions))
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> Batch:
+        return self.map(torch.Tensor.pin_memory)
+
+    def record_stream(self, stream) -> None:
+        for t in self:
+            if t is not None:
+                t.record_stream(stream)
+
+    def num_targets(self) -> torch.Tensor:
+        return (self.targets != IGNORE).sum()
+
+
+def collate(batches: list[Batch]) -> Batch:
+    """Rows of several batches as one (a mixture's sources): right-padded to the longest, position ids made
+    for all when any batch has them."""
+    width = max(b.inputs.shape[1] for b in batches)
+    with_positions = any(b.positions is not None for b in batches)
+
+    def pad(t: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    parts = []
+    for b in batches:
+        positions = b.positions
+        if with_positions and positions is None:
+            positions = torch.arange(b.inputs.shape[1]).expand_as(b.inputs)
+        if positions is not None and positions.shape[1] < width:  # the padding is a segment of its own
+            positions = torch.cat([positions, torch.arange(width - positions.shape[1]).expand(len(b.inputs), -1)], 1)
+        parts.append(Batch(pad(b.inputs, 0), pad(b.targets, IGNORE), positions))
+    rows = [p.positions for p in parts if p.positions is not None]
+    return Batch(torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts]),
+                 torch.cat(rows) if rows else None)
 
 
 class TokenBlocks:
@@ -29,6 +80,18 @@ class TokenBlocks:
         L = self.seq_len
         starts = self.start + np.asarray(indices, dtype=np.int64) * L
         return torch.from_numpy(self.tokens[starts[:, None] + np.arange(L + 1)].astype(np.int64))  # one gather
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        tokens = self.get(indices)
+        return Batch(tokens[:, :-1], tokens[:, 1:])
+
+    def targets(self, indices: np.ndarray) -> int:
+        """Target tokens of these blocks: every position."""
+        return len(indices) * self.seq_len
+
+    @property
+    def target_tokens(self) -> int:
+        return self.num_blocks * self.seq_len
 
 
 class GlobalSampler:

@@ -18,7 +18,7 @@ import functools
 import numpy as np
 import torch
 
-from shardlm.data.blocks import GlobalSampler, TokenBlocks
+from shardlm.data.blocks import Batch, GlobalSampler, TokenBlocks, collate
 
 ROUND = 4096  # positions per round: each source's share is exact to 1/ROUND over every round
 
@@ -39,7 +39,7 @@ def quotas(weights: list[float], round_size: int = ROUND) -> np.ndarray:
 class MixtureBlocks:
     """Blocks of several sources as one index space; `order` (optional) maps index -> block of that space."""
 
-    def __init__(self, parts: list[TokenBlocks], weights: list[float] | None = None,
+    def __init__(self, parts: list, weights: list[float] | None = None,
                  order: np.ndarray | None = None):
         self.parts, self.seq_len, self.order = parts, parts[0].seq_len, order
         self.sizes = [len(p) for p in parts]
@@ -48,7 +48,7 @@ class MixtureBlocks:
         self.weights = [float(s) for s in self.sizes] if weights is None else [float(w) for w in weights]
 
     @classmethod
-    def interleaved(cls, parts: list[TokenBlocks]) -> MixtureBlocks:
+    def interleaved(cls, parts: list) -> MixtureBlocks:
         """Every source spread evenly over the index range, so any prefix (a capped evaluation) holds each
         source in proportion to its blocks."""
         sizes = [len(p) for p in parts]
@@ -74,6 +74,29 @@ class MixtureBlocks:
             mine = source == s
             out[torch.from_numpy(mine)] = self.parts[s].get(idx[mine] - self.offsets[s])
         return out
+
+    def _by_source(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.asarray(indices, dtype=np.int64)
+        if self.order is not None:
+            idx = self.order[idx]
+        return idx, np.searchsorted(self.offsets, idx, side="right") - 1
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        """Rows in the order of `indices`; text blocks and example rows side by side (each its own targets)."""
+        idx, source = self._by_source(indices)
+        if all(isinstance(p, TokenBlocks) for p in self.parts):
+            tokens = self.get(indices)
+            return Batch(tokens[:, :-1], tokens[:, 1:])
+        parts = [self.parts[int(s)].batch(idx[k:k + 1] - self.offsets[int(s)]) for k, s in enumerate(source)]
+        return collate(parts)
+
+    def targets(self, indices: np.ndarray) -> int:
+        idx, source = self._by_source(indices)
+        return sum(self.parts[int(s)].targets(idx[source == s] - self.offsets[s]) for s in np.unique(source))
+
+    @property
+    def target_tokens(self) -> int:
+        return sum(p.target_tokens for p in self.parts)
 
     @functools.cached_property
     def tokens(self) -> np.ndarray:

@@ -17,11 +17,13 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from shardlm.data.blocks import Batch
+
 Key = tuple[int, int]  # (optimizer-step position in blocks, micro-step)
 
 
 class Prefetcher:
-    def __init__(self, read: Callable[[np.ndarray], torch.Tensor], batches: Iterator[tuple[Key, np.ndarray]],
+    def __init__(self, read: Callable[[np.ndarray], Batch], batches: Iterator[tuple[Key, np.ndarray]],
                  device: torch.device, depth: int = 2):
         self.read, self.batches, self.device = read, batches, device
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -45,7 +47,7 @@ class Prefetcher:
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             self.queue.put((None, e, None))
 
-    def _load(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _load(self, indices: np.ndarray) -> tuple[Batch, torch.cuda.Event | None]:
         batch = self.read(indices)
         if self.stream is None:
             return batch, None
@@ -55,7 +57,7 @@ class Prefetcher:
             ready.record(self.stream)
         return on_device, ready
 
-    def next(self, expected: Key) -> torch.Tensor | None:
+    def next(self, expected: Key) -> Batch | None:
         """The batch for `expected`, or None when the queue holds another position (then restart)."""
         key, batch, ready = self.queue.get()
         if key is None:

@@ -46,12 +46,15 @@ class CausalLM(nn.Module):
         self.loss_fn = linear_cross_entropy  # parallelize may replace it with a compiled one
         self.full_logits = logit_transform(hf_model.config) is not None or hf_model.get_output_embeddings() is None
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sum of token losses and count of correct next-token predictions (targets -100 are ignored)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of token losses and count of correct next-token predictions (targets -100 are ignored).
+        `positions` restarting at 0 mark packed examples: transformers keeps attention inside each one."""
+        kwargs = {} if positions is None else {"position_ids": positions}
         if self.full_logits:
-            logits = self.hf(input_ids=tokens, use_cache=False).logits
+            logits = self.hf(input_ids=tokens, use_cache=False, **kwargs).logits
             return logits_cross_entropy(logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
-        hidden = self.hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+        hidden = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state
         head = self.hf.get_output_embeddings()
         return self.loss_fn(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
                             bias=getattr(head, "bias", None), with_accuracy=not self.training)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardlm.config import task_defaults_note
+from shardlm.data import describe
 from shardlm.distributed import xla
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
@@ -68,6 +69,7 @@ def run_header(run: Run) -> str:
             f"model: {_params(run)}; data: {getattr(run.train, 'sampled_blocks', len(run.train)):,} train / "
             f"{len(run.val):,} val blocks of {seq} tokens\n"
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}"
+            + "".join(f"\n{line}" for line in describe(run.train))
             + (f"\n{note}" if (note := task_defaults_note(cfg)) else ""))
 
 
@@ -85,13 +87,15 @@ class Reporter:
         self.progress = Progress(self.total, cfg.log.progress, d.is_main, initial=first_step)
         self.eta, self.timer, self.began = Eta(self.total), StepTimer(), time.time()
         self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
-        self.seconds, self.steps = 0.0, 0
+        self.seconds, self.steps, self.targets = 0.0, 0, 0
         self.last_val: dict[str, Any] | None = None
         self.held_out = 0
 
-    def step_done(self, loss_sum: torch.Tensor) -> None:
-        """After each optimizer step: its time (since the last step or `resume_clock`) and its loss."""
+    def step_done(self, loss_sum: torch.Tensor, targets: int | None = None) -> None:
+        """After each optimizer step: its time (since the last step or `resume_clock`), its loss and the step's
+        global target count (text: every token)."""
         self.loss_sum += loss_sum.double()
+        self.targets += self.tokens_per_step if targets is None else targets
         seconds = self.timer.lap()
         self.eta.add_step(seconds)
         self.seconds, self.steps = self.seconds + seconds, self.steps + 1
@@ -115,7 +119,8 @@ class Reporter:
         """The interval's record (one all-reduce of the loss) and the progress line; starts a new interval.
         A mixture's record also has `tokens_by_source`, the tokens seen from each source (they add up to `tokens`)."""
         self.dist.all_reduce_sum(self.loss_sum)
-        loss = (self.loss_sum[0] / (self.steps * self.tokens_per_step)).item()
+        loss = (self.loss_sum[0] / max(self.targets, 1)).item()
+        target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
         mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.data_parallel) if self.peak_flops else None
         peak_mem = peak_memory_bytes(self.device)
@@ -123,6 +128,7 @@ class Reporter:
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
                         "peak_mem_gb": peak_mem / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
+                        **({"target_fraction": target_fraction} if target_fraction < 1 else {}),
                         **gpu_utilization(self.device),
                         **({"xla_compilations": xla.compilations()} if self.device.type == "xla" else {}),
                         **({"tokens_by_source": tokens_by_source} if tokens_by_source is not None else {})})
@@ -131,11 +137,11 @@ class Reporter:
         self.progress.update(step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}
                              | ({"mem": f"{peak_mem / 2**30:.1f}G"} if self.device.type == "cuda" else {}))
         self.loss_sum.zero_()
-        self.seconds, self.steps = 0.0, 0
+        self.seconds, self.steps, self.targets = 0.0, 0, 0
 
     def log_val(self, step: int, result: dict[str, Any], tokens_seen: int) -> None:
         """The record keeps `held_out_tokens` next to `tokens` (those scored), so a subset shows as one."""
-        held_out = len(self.run.val) * self.run.val.seq_len
+        held_out = self.run.val.target_tokens
         self.log.write({"step": step, "split": "val", **result, "held_out_tokens": held_out,
                         "tokens_seen": tokens_seen})
         self.progress.write(f"step {step}: val loss {result['loss']:.4f} ppl {result['ppl']:.2f} "

@@ -25,7 +25,7 @@ from shardlm.checkpoint.checkpointer import Checkpointer
 from shardlm.checkpoint.layout import checkpoints_dir
 from shardlm.checkpoint.state import RngState, model_parts
 from shardlm.config import Config
-from shardlm.data import Blocks, MixtureSampler, eval_shares, micro_batch_position, train_sampler
+from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, eval_shares, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.distributed import xla
 from shardlm.distributed.parallelize import clip_grad_norm, set_gradient_sync
@@ -127,12 +127,12 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ---- batches -------------------------------------------------------------------------------------------
-    def _batch(self, blocks: Blocks, indices: np.ndarray) -> torch.Tensor:
-        batch = blocks.get(indices)
+    def _batch(self, blocks: Blocks, indices: np.ndarray) -> Batch:
+        batch = blocks.batch(indices)
         if self.device.type == "cuda":
             return batch.pin_memory().to(self.device, non_blocking=True)
         if self.xla:
-            return xla.to_device(batch, self.device)
+            return batch.map(lambda t: xla.to_device(t, self.device))
         return batch
 
     def _indices(self, position: int, m: int) -> np.ndarray:
@@ -147,14 +147,14 @@ class Trainer:
                 yield (position, m), self._indices(position, m)
             position, first = position + self.global_batch, 0
 
-    def _train_batch(self, m: int) -> torch.Tensor:
+    def _train_batch(self, m: int) -> Batch:
         key: Key = (self.position, m)
         if not self.prefetch:
             return self._batch(self.run.train, self._indices(*key))
         batch = self._prefetcher.next(key) if self._prefetcher else None
         if batch is None:  # first step, or the position moved (a checkpoint was loaded)
             self.close()
-            self._prefetcher = Prefetcher(self.run.train.get, self._micro_batches(*key), self.device)
+            self._prefetcher = Prefetcher(self.run.train.batch, self._micro_batches(*key), self.device)
             batch = self._prefetcher.next(key)
             assert batch is not None  # a new prefetcher starts at `key`
         return batch
@@ -165,13 +165,25 @@ class Trainer:
             self._prefetcher = None
 
     # ---- one optimizer step --------------------------------------------------------------------------------
-    def forward_backward_step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Sum of token losses of this micro-batch (detached); gradients accumulate in the parameters."""
+    def forward_backward_step(self, batch: Batch, per_rank_targets: float | None = None) -> torch.Tensor:
+        """Sum of token losses of this micro-batch (detached); gradients accumulate in the parameters.
+        The loss is divided by the step's global target count over the ranks that average gradients: the mean
+        over every target of the optimizer step (`step_targets`); by default a text step's count."""
         with self.autocast():
-            loss_sum, _ = self.model(tokens[:, :-1], tokens[:, 1:])
-        loss = loss_sum / (tokens.shape[0] * self.seq_len * self.accum)  # mean over this rank's step tokens
+            loss_sum, _ = self.model(*batch)
+        denominator = per_rank_targets or batch.inputs.shape[0] * self.seq_len * self.accum
+        loss = loss_sum / denominator
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()
+
+    def step_targets(self) -> int:
+        """Targets of the whole optimizer step (every rank and micro-batch): examples differ in target count, so
+        the loss sum is divided once by the global count, never by a micro-batch's own. Read from the sampler on
+        the host: no collective, the same on any world size."""
+        train = self.run.train
+        if isinstance(train, TokenBlocks):
+            return self.global_batch * self.seq_len
+        return max(1, train.targets(self.sampler.indices(self.position, self.global_batch)))
 
     def _grad_norm(self) -> float:
         max_norm = self.cfg.train.grad_clip or float("inf")
@@ -186,10 +198,12 @@ class Trainer:
         opt = self.run.optimizer
         lr = float(opt.param_groups[0]["lr"])
         loss_sum = torch.zeros((), device=self.device)
+        targets = self.step_targets()
+        per_rank = targets * self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
         for m in range(self.accum):
-            tokens = self._train_batch(m)
+            batch = self._train_batch(m)
             set_gradient_sync(self.model, m == self.accum - 1)
-            loss_sum += self.forward_backward_step(tokens)
+            loss_sum += self.forward_backward_step(batch, per_rank)
         if self.scaler:
             self.scaler.unscale_(opt)
         grad_norm = self._grad_norm()
@@ -211,7 +225,7 @@ class Trainer:
             self.run.scheduler.step()
         self.step += 1
         self.position += self.global_batch
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite, "lr": lr}
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite, "lr": lr, "targets": targets}
 
     def _check_finite(self, result: StepResult) -> None:
         if result["finite"]:
@@ -233,14 +247,11 @@ class Trainer:
         sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss, correct, tokens
         for indices in shares:
             valid = torch.from_numpy(indices >= 0)
-            tokens = self._batch(val, np.where(indices >= 0, indices, 0))
-            targets = tokens[:, 1:].clone()
-            targets = targets.masked_fill(~valid.to(self.device)[:, None], -100)  # static shapes (XLA)
+            batch = self._batch(val, np.where(indices >= 0, indices, 0))
+            targets = batch.targets.masked_fill(~valid.to(self.device)[:, None], -100)  # static shapes (XLA)
             with self.autocast():
-                loss_sum, correct = self.model(tokens[:, :-1], targets)
-            sums += torch.stack([loss_sum.double(), correct.double(),
-                                 torch.tensor(float(valid.sum() * self.seq_len), device=self.device,
-                                              dtype=torch.float64)])
+                loss_sum, correct = self.model(batch.inputs, targets, batch.positions)
+            sums += torch.stack([loss_sum.double(), correct.double(), (targets != -100).sum().double()])
             if self.xla:  # one graph per batch, not one growing over the whole evaluation
                 xla.sync()
         self.dist.all_reduce_sum(sums)
@@ -255,7 +266,7 @@ class Trainer:
         with ck.catch_signals() if ck else contextlib.nullcontext():
             while self.step < total and not self.stop_requested:
                 result = self.train_step()
-                report.step_done(result["loss_sum"])
+                report.step_done(result["loss_sum"], result["targets"])
                 self.callbacks.on_step_end(self, result)
                 self._check_finite(result)
                 if self.step % t.log_every == 0 or self.step == total:

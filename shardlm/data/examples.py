@@ -1,0 +1,190 @@
+"""Example sources -> a memory-mapped example cache: ids, target mask and where each example starts.
+
+Layout: `CACHE/<key>/tokens.bin` (ids, uint16 or uint32), `labels.bin` (uint8: 1 = a target), `offsets.npy`
+(int64, example k is `[offsets[k], offsets[k+1])`), `records.npy` (the source record each example came from,
+for errors that name a line) and `meta.json`. The key covers the source, the tokenizer, the chat template and
+every option that changes ids or masks, but not `data.seq_len`: one cache serves every context length, and
+truncation and packing happen when rows are made (shardlm.data.packing). Built like the token cache: under a
+temporary name, renamed when whole, one builder at a time (`cache.build_lock`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shardlm import ShardlmError, __version__
+from shardlm.config import DataConfig
+from shardlm.data.cache import build_lock
+from shardlm.data.formats import BadExample, Example, detect, to_example, variant_of
+from shardlm.data.records import first_record, iter_records
+from shardlm.data.render import tokenize
+from shardlm.data.sources import Source
+from shardlm.tokenizer import fingerprint, template_fingerprint
+
+EXAMPLES_FORMAT = 1
+
+
+@dataclass
+class ExampleSet:
+    tokens: np.ndarray
+    labels: np.ndarray
+    offsets: np.ndarray
+    records: np.ndarray
+    meta: dict
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def example(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[k]), int(self.offsets[k + 1])
+        return np.asarray(self.tokens[a:b], dtype=np.int64), np.asarray(self.labels[a:b], dtype=bool)
+
+
+def source_format(source: Source, cfg: DataConfig) -> tuple[str, str, str]:
+    """(format, variant, where) of a source: `data.format`, or with auto what its first record holds."""
+    if cfg.format == "text":
+        return "text", "text", source.spec
+    first = first_record(source)
+    if first is None:
+        if cfg.format != "auto":
+            raise ShardlmError(f"data.format={cfg.format} but '{source.spec}' is plain text (a document, not "
+                               "records). Give .jsonl/.parquet/.csv examples, or set data.format=text.")
+        return "text", "text", source.spec
+    where, record = first
+    if cfg.format == "auto":
+        fmt, variant = detect(record)
+    else:
+        fmt, variant = cfg.format, variant_of(record, cfg.format, where, cfg.text_field)
+    return fmt, variant, where
+
+
+def examples_key(source: Source, tok, cfg: DataConfig, variant: str) -> str:
+    ident = [EXAMPLES_FORMAT, source.identity(), fingerprint(tok), template_fingerprint(tok), variant,
+             cfg.train_on_prompt, cfg.on_bad_example, cfg.system_prompt]
+    return "ex-" + hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
+
+
+def iter_examples(source: Source, fmt: str, variant: str, first_where: str, cfg: DataConfig,
+                  skipped: list[str]) -> Iterator[tuple[int, str, Example]]:
+    """(record number, where, example) of every record; bad ones raise, or with on_bad_example=skip are
+    appended to `skipped` (their messages)."""
+    for n, (where, record) in enumerate(iter_records(source)):
+        try:
+            found = variant_of(record, fmt, where, cfg.text_field)
+            if found != variant:
+                raise BadExample(f"{where}: this record is a '{found}' example, but the first record ({first_where}) "
+                                 f"is '{variant}': one source holds one format. Convert the records to one format "
+                                 "or split them into two sources (a list data.train).")
+            yield n, where, to_example(record, found, where, cfg.system_prompt)
+        except BadExample as e:
+            if cfg.on_bad_example != "skip":
+                raise
+            skipped.append(str(e))
+
+
+def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_where: str, tmp: Path) -> dict:
+    dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
+    offsets, records, skipped = [0], [], []  # type: list[int], list[int], list[str]
+    targets = 0
+    with open(tmp / "tokens.bin", "wb") as ids_out, open(tmp / "labels.bin", "wb") as labels_out:
+        for n, where, example in iter_examples(source, fmt, variant, first_where, cfg, skipped):
+            try:
+                ids, mask = tokenize(tok, example, where, cfg.train_on_prompt)
+            except BadExample as e:
+                if cfg.on_bad_example != "skip":
+                    raise
+                skipped.append(str(e))
+                continue
+            ids_out.write(np.asarray(ids, dtype=dtype).tobytes())
+            labels_out.write(mask.astype(np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+            records.append(n)
+            targets += int(mask[1:].sum())
+    np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+    np.save(tmp / "records.npy", np.asarray(records, dtype=np.int64))
+    if len(records) == 0:
+        why = f" (all {len(skipped)} were skipped as bad; the first: {skipped[0]})" if skipped else ""
+        raise ShardlmError(f"data source '{source.spec}' holds no {fmt} examples{why}. Give examples, or fix them.")
+    return {"examples": len(records), "num_tokens": offsets[-1], "targets": targets, "dtype": np.dtype(dtype).name,
+            "format": fmt, "variant": variant, "skipped": len(skipped), "first_skipped": skipped[:3]}
+
+
+def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callable[[str], None] = print) -> Path:
+    """The example cache folder of `source`, built first when none is complete."""
+    fmt, variant, first_where = source_format(source, cfg)
+    folder = root / examples_key(source, tok, cfg, variant)
+    if (folder / "meta.json").is_file():
+        return folder
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardlmError(f"cannot create token cache folder '{root}': {e.strerror}. Set data.cache_dir.") from None
+    with build_lock(folder, log):
+        if not (folder / "meta.json").is_file():
+            _build(source, tok, cfg, fmt, variant, first_where, folder, log)
+    return folder
+
+
+def _build(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_where: str, folder: Path,
+           log: Callable[[str], None]) -> None:
+    tmp = Path(f"{folder}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    start = time.time()
+    log(f"rendering {variant} examples of {source.spec} -> {folder}")
+    try:
+        stats = _write(source, tok, cfg, fmt, variant, first_where, tmp)
+        meta = {**stats, "source": source.spec, "tokenizer": getattr(tok, "name_or_path", ""),
+                "seconds": round(time.time() - start, 3), "shardlm_version": __version__}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            tmp.rename(folder)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if stats["skipped"]:
+        log(f"warning: skipped {stats['skipped']:,} bad example{'s' if stats['skipped'] != 1 else ''} "
+            f"(data.on_bad_example=skip); the first: {stats['first_skipped'][0]}")
+    log(f"rendered {stats['examples']:,} examples into {stats['num_tokens']:,} tokens "
+        f"({stats['targets']:,} targets) in {time.time() - start:.1f}s")
+
+
+def load_examples(folder: Path) -> ExampleSet:
+    meta = json.loads((folder / "meta.json").read_text())
+    n, dtype = meta["num_tokens"], np.dtype(meta["dtype"])
+    return ExampleSet(np.memmap(folder / "tokens.bin", dtype=dtype, mode="r", shape=(n,)),
+                      np.memmap(folder / "labels.bin", dtype=np.uint8, mode="r", shape=(n,)),
+                      np.load(folder / "offsets.npy"), np.load(folder / "records.npy"), meta)
+
+
+def examples_in_memory(source: Source, tok, cfg: DataConfig) -> ExampleSet:
+    """The example set built in a temporary folder and read into memory: a dry run writes nothing that stays."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="shardlm-dry-") as tmp:
+        loaded = load_examples(build_examples(source, tok, cfg, Path(tmp), log=lambda _: None))
+        return ExampleSet(np.array(loaded.tokens), np.array(loaded.labels), loaded.offsets, loaded.records,
+                          loaded.meta)
+
+
+def where_of(source: Source, record: int) -> str:
+    """`file:line` of record number `record` of a source (read again: only an error needs it)."""
+    for n, (where, _) in enumerate(iter_records(source)):
+        if n == record:
+            return where
+    return source.spec
