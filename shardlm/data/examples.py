@@ -83,7 +83,10 @@ def iter_examples(source: Source, fmt: str, variant: str, first_where: str, cfg:
     appended to `skipped` (their messages)."""
     for n, (where, record) in enumerate(iter_records(source)):
         try:
-            found = variant_of(record, fmt, where, cfg.text_field)
+            if detect(record)[0] not in (fmt, "text"):
+                found = detect(record)[1]
+            else:
+                found = variant_of(record, fmt, where, cfg.text_field)
             if found != variant:
                 raise BadExample(f"{where}: this record is a '{found}' example, but the first record ({first_where}) "
                                  f"is '{variant}': one source holds one format. Convert the records to one format "

@@ -28,6 +28,19 @@ if TYPE_CHECKING:
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 # model_types verified by tests/test_families.py (FSDP parity, ties, loss = the model's own, export, resume)
 TESTED_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_neox", "opt")
+# Families whose transformers attention keeps packed examples apart given restarting position ids (verified by
+# tests/test_examples.py: packed rows = each example alone). OPT builds its mask without the position ids.
+PACKING_FAMILIES = tuple(f for f in TESTED_FAMILIES if f != "opt")
+
+
+def check_packing(hf_cfg, packing: bool) -> None:
+    """Packed examples on a family whose attention would let them see each other are refused, never trained."""
+    if packing and hf_cfg.model_type not in PACKING_FAMILIES:
+        why = ("its attention mask ignores position ids" if hf_cfg.model_type == "opt" else
+               "it is not among the families verified to keep packed examples apart")
+        raise ShardlmError(f"data.packing=true would let packed examples attend to each other in model family "
+                           f"'{hf_cfg.model_type}' ({why}; verified: {', '.join(PACKING_FAMILIES)}). Set "
+                           "data.packing=false (each example padded in its own row).")
 
 
 def logit_transform(hf_config) -> str | None:

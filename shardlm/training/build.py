@@ -13,12 +13,12 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import Config
-from shardlm.data import Blocks, prepare_data
+from shardlm.data import Blocks, describe, prepare_data
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, ShardLocalAdamW, parallelize, plan
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
-from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, empty_model, initial_model, model_config
+from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, check_packing, empty_model, initial_model, model_config
 from shardlm.models.state_keys import from_hf, hf_name
 from shardlm.tokenizer import model_tokenizer
 from shardlm.training.schedule import WarmupCosine
@@ -156,6 +156,7 @@ def build(cfg: Config) -> Run:
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)
+    check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
     total = count_steps(cfg, train, d.data_parallel)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, hf_cfg, pl, d)
