@@ -75,7 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from shardlm.inference.evaluate import GenOptions, evaluate_path
 
     gen = GenOptions(args.generation, args.featurizer, args.temperature, args.top_p, args.seed)
-    evaluate_path(args.path, args.overrides, stride=args.stride, gen=gen)
+    evaluate_path(args.path, args.overrides, stride=args.stride, gen=gen, exact_match=args.exact_match)
     return 0
 
 
@@ -220,6 +220,9 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--generation", type=int, default=0, metavar="N",
                    help="also sample N continuations of held-out prompts (first half of validation blocks) and "
                         "report distinct-n, rep-4, self-BLEU, ROUGE-L and MAUVE (pip install shardlm[gen])")
+    e.add_argument("--exact-match", type=int, default=0, metavar="N",
+                   help="examples: answer the first N held-out prompts greedily (chat template applied) and report "
+                        "the fraction equal to the reference answer")
     e.add_argument("--featurizer", default=None, metavar="PATH",
                    help="with --generation: model whose last hidden states are MAUVE's features (run dir, "
                         "checkpoint or HF folder; default the evaluated model)")

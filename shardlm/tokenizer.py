@@ -126,6 +126,22 @@ def set_chat_template(tok, spec: str | None) -> None:
     tok.chat_template = text
 
 
+def end_of_turn_id(tok) -> int:
+    """The token that ends an assistant turn under the chat template (`<|im_end|>`, `<|eot_id|>`,
+    `<end_of_turn>`, ...): the first token the template writes after an answer, when it is a special token;
+    else EOS. Generation of a chat answer stops there."""
+    if not getattr(tok, "chat_template", None):
+        return tok.eos_token_id
+    marker = "\ue000answer\ue001"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                                       tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: fall back to EOS
+        return tok.eos_token_id
+    after = tok(text[text.find(marker) + len(marker):].lstrip(" "), add_special_tokens=False)["input_ids"]
+    return after[0] if after and after[0] in tok.all_special_ids else tok.eos_token_id
+
+
 def template_fingerprint(tok) -> str:
     """A hash of the chat template (keys the example cache: a new template renders other ids)."""
     return hashlib.sha256(str(getattr(tok, "chat_template", None) or "").encode()).hexdigest()[:16]

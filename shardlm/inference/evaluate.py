@@ -26,7 +26,8 @@ import torch
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_manifest, run_dir_of
 from shardlm.config import build_config, parse_overrides, to_flat_dict
-from shardlm.data import TokenBlocks
+from shardlm.data import Blocks, ExampleRows, TokenBlocks
+from shardlm.data.examples import ExampleSet
 from shardlm.data.mixture import MixtureBlocks
 from shardlm.inference.genquality import (
     FEW_FOR_MAUVE,
@@ -82,24 +83,27 @@ class EvalProgress:
 
 
 @torch.no_grad()
-def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int) -> tuple[float, int, int]:
-    hidden = model.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int,
+          positions: torch.Tensor | None = None) -> tuple[float, int, int]:
+    kwargs = {} if positions is None else {"position_ids": positions}  # packed examples
+    hidden = model.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state
     head = model.get_output_embeddings()
     loss, correct = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), chunk,
                                          getattr(head, "bias", None))
     return float(loss.item()), int(correct.item()), int((targets != IGNORE).sum())
 
 
-def evaluate_blocks(model, blocks: TokenBlocks | MixtureBlocks, batch: int, max_batches: int, chunk: int) -> dict:
+def evaluate_blocks(model, blocks: Blocks, batch: int, max_batches: int, chunk: int) -> dict:
+    """Text blocks or example rows (their target tokens only), as training validates them."""
     device = next(model.parameters()).device
     n = len(blocks) if max_batches == 0 else min(len(blocks), max_batches * batch)
-    total, progress = np.zeros(3), EvalProgress(n * blocks.seq_len, -(-n // batch))
+    total, progress = np.zeros(3), EvalProgress(blocks.targets(np.arange(n)), -(-n // batch))
     for start in range(0, n, batch):
-        rows = blocks.get(np.arange(start, min(n, start + batch))).to(device)
-        total += score(model, rows[:, :-1], rows[:, 1:], chunk)
-        progress.update(rows[:, 1:].numel())
+        rows = blocks.batch(np.arange(start, min(n, start + batch))).to(device)
+        total += score(model, rows.inputs, rows.targets, chunk, rows.positions)
+        progress.update(int(rows.num_targets()))
     progress.close()
-    return _summary(total, len(blocks) * blocks.seq_len)
+    return _summary(total, blocks.target_tokens)
 
 
 def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk: int) -> dict:
@@ -148,7 +152,8 @@ class GenOptions:
                 require(module)
 
 
-def evaluate_path(path: str, overrides: list[str], stride: int | None = None, gen: GenOptions | None = None) -> dict:
+def evaluate_path(path: str, overrides: list[str], stride: int | None = None, gen: GenOptions | None = None,
+                  exact_match: int = 0) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = gen or GenOptions()
     gen.check()  # before any model is loaded
@@ -163,7 +168,11 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
         tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
-        tokens = tails[0] if len(tails) == 1 else np.concatenate(tails)
+        text = [t for t in tails if not isinstance(t, ExampleRows)]
+        if len(text) < len(tails) and (stride or gen.n):
+            raise ShardlmError(f"--{'stride' if stride else 'generation'} scores continuations of text; the "
+                               "validation data holds examples. Score their answers with --exact-match N.")
+        tokens = np.concatenate(text) if text else np.zeros(0, dtype=np.int64)
     seq_len = min(cfg.data.seq_len, context)
     if gen.n:
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
@@ -173,6 +182,9 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
     if gen.n:
         result["generation"] = evaluate_generation(model, tokenizer, tokens, seq_len, gen, device)
         log_generation(ckpt, result["generation"])
+    if exact_match:
+        result.update(_exact_match(model, tokenizer, cfg, exact_match))
+        print(f"exact match {result['exact_match']:.3f} on {result['exact_match_n']} held-out prompts", file=sys.stderr)
     print(json.dumps(result))
     return result
 
@@ -234,13 +246,25 @@ def _evaluate(model, tokens: np.ndarray, tails: list[np.ndarray], cfg, context: 
     if stride:  # one window of `context` tokens at a time
         chunk = auto_loss_chunk(t.loss_chunk_size, 1, context, vocab, device)
         return evaluate_stride(model, tokens, context, stride, chunk)
-    parts = [TokenBlocks(tail, min(cfg.data.seq_len, context)) for tail in tails]
+    parts = [tail if isinstance(tail, ExampleRows) else TokenBlocks(tail, min(cfg.data.seq_len, context))
+             for tail in tails]
     blocks = parts[0] if len(parts) == 1 else MixtureBlocks.interleaved([p for p in parts if len(p)])
     chunk = auto_loss_chunk(t.loss_chunk_size, t.batch_size, blocks.seq_len, vocab, device)
     return evaluate_blocks(model, blocks, t.batch_size, t.eval_batches, chunk)
 
 
-def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> list[np.ndarray]:
+def _exact_match(model, tokenizer, cfg, n: int) -> dict:
+    """`--exact-match N`: greedy answers to the first N held-out prompts (data.val, or each source's tail)."""
+    from shardlm.inference import exact_match
+
+    specs = [cfg.data.val] if cfg.data.val else \
+        (cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train])
+    tail = None if cfg.data.val else cfg.data.val_fraction
+    examples = [e for spec in specs for e in exact_match.held_out_examples(spec, "validation", cfg.data, tail, n)]
+    return exact_match.summary(exact_match.score(model.eval(), tokenizer, examples[:n]))
+
+
+def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> list:
     from shardlm.data import load_split
     from shardlm.distributed.process_group import Dist, LaunchInfo
 
@@ -248,11 +272,17 @@ def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> l
     if spec is None:
         raise ShardlmError("an exported model carries no data settings: pass data.val=PATH (or hf:...).")
     dist = Dist(LaunchInfo("single"), device)
+    def held_out(data, spec: str, tail: bool):
+        start = int(len(data) * (1 - cfg.data.val_fraction)) if tail else 0
+        if isinstance(data, ExampleSet):  # rows of examples, as training validated on them
+            d = cfg.data
+            return ExampleRows(data, d.seq_len, start, None, d.packing, d.truncation, spec)
+        return data[start:]
+
     if cfg.data.val is not None:
-        return [load_split(spec, cfg.data, tokenizer, dist, "validation")]
+        return [held_out(load_split(spec, cfg.data, tokenizer, dist, "validation"), spec, False)]
     # the held-out tail of the training data, as during training: of each sampled source of a mixture
     specs = spec if isinstance(spec, list) else [spec]
     weights = cfg.data.weights or [1.0] * len(specs)
-    return [tokens[int(len(tokens) * (1 - cfg.data.val_fraction)):]
-            for tokens in (load_split(s, cfg.data, tokenizer, dist, "validation")
-                           for s, w in zip(specs, weights, strict=True) if w > 0)]
+    return [held_out(load_split(s, cfg.data, tokenizer, dist, "validation"), s, True)
+            for s, w in zip(specs, weights, strict=True) if w > 0]

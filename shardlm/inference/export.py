@@ -15,6 +15,7 @@ from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of, tokenizer_dir
 from shardlm.inference.load import is_adapter_folder, is_hf_folder, load_for_inference
 from shardlm.models.causal_lm import context_length, padding_ids
+from shardlm.tokenizer import end_of_turn_id
 
 CARD_MARK = "trained with shardlm"  # in every export's README.md (model_card): how an earlier export is known
 
@@ -129,7 +130,9 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
         if positions:
             tokenizer.model_max_length = positions  # not GPT-2's 1024: other tools cut prompts by it
         # samples like `shardlm generate` (temperature 0.8, no top-k); never runs past the positions
-        model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        stops = sorted({eos, end_of_turn_id(tokenizer)})  # a chat model's answer ends at its end-of-turn token
+        model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=stops if len(stops) > 1 else eos,
+                                                   pad_token_id=eos,
                                                    do_sample=True, temperature=0.8, top_k=0,
                                                    max_new_tokens=min(100, (positions or 200) // 2),
                                                    suppress_tokens=padding_ids(model.config))  # vocab_multiple
