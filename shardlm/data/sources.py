@@ -25,7 +25,11 @@ from shardlm.data import readers, tables
 from shardlm.data.readers import ReplaceCounter, inner_suffix
 from shardlm.hub import hub_reachable, nearest_path
 
-BUNDLED = {"shakespeare": Path(__file__).parent.parent / "assets" / "tinyshakespeare" / "input.txt"}
+ASSETS = Path(__file__).parent.parent / "assets"
+# the chat demo's generated instruction set (assets/chat_tasks/README.md): training, validation, held-out prompts
+BUNDLED = {"shakespeare": ASSETS / "tinyshakespeare" / "input.txt", "chat_tasks": ASSETS / "chat_tasks" / "train.jsonl",
+           "chat_tasks_val": ASSETS / "chat_tasks" / "val.jsonl",
+           "chat_tasks_heldout": ASSETS / "chat_tasks" / "heldout.jsonl"}
 TEXT_SUFFIXES = (".txt", ".csv", ".jsonl", ".json")
 SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
 NAMES = ".txt/.csv/.jsonl (also .gz/.zst), .parquet"
