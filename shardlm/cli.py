@@ -82,6 +82,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardlm.inference.generate import generate_command
 
+    if args.chat or args.messages:
+        from shardlm.inference.chat import chat_command
+
+        if args.prompt_file or args.num_samples != 1:
+            raise ShardlmError("--chat answers one conversation: --prompt-file and --num-samples are for plain "
+                               "text generation.")
+        return chat_command(args.path, args.prompt, args.messages, args.max_new_tokens, args.temperature,
+                            args.top_k, args.top_p, args.seed, args.json)
+
     return generate_command(args.path, args.prompt, args.prompt_file, args.max_new_tokens, args.temperature,
                             args.top_k, args.top_p, args.seed, args.num_samples, args.batch_size, args.json)
 
@@ -237,12 +246,18 @@ def parser() -> argparse.ArgumentParser:
             "examples:\n  shardlm generate runs/demo --prompt 'ROMEO:' --max-new-tokens 300   (streamed)\n"
             "  shardlm generate runs/demo-hf --prompt 'The' --temperature 0 (greedy)\n"
             "  shardlm generate runs/demo --prompt-file prompts.txt --json > samples.jsonl\n"
+            "  shardlm generate runs/chat_tiny --chat --prompt 'Reverse: abc'   (the chat template applied)\n"
             "one prompt and one sample are printed as they are generated; --json prints one line per sample:\n"
             '  {"prompt": ..., "sample": 0, "text": "<continuation>", "new_tokens": N}\n')
     g.add_argument("path", help="a checkpoint, a run dir or an exported Hugging Face folder")
     g.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
     g.add_argument("--prompt-file", default=None, metavar="FILE",
                    help="UTF-8 file with one prompt per line (blank lines skipped), generated in batches")
+    g.add_argument("--chat", action="store_true",
+                   help="answer as a chat model: --prompt is a user message (or --messages FILE), rendered with the "
+                        "chat template; without either, an interactive loop on a terminal")
+    g.add_argument("--messages", default=None, metavar="FILE",
+                   help="with --chat: a JSON list of {role, content} messages to answer")
     g.add_argument("--batch-size", type=int, default=8,
                    help="prompts generated together, left-padded (default 8); samples of a prompt go with it")
     g.add_argument("--json", action="store_true",

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from faults import fault
 
 from helpers import by_step, records, shardlm_cli, tiny
@@ -89,3 +88,16 @@ def test_a_chat_source_beside_a_text_source_keeps_its_own_masking(chat_file, cor
     fractions = [r["target_fraction"] for r in records(tmp_path)]
     assert all(0.5 < f < 1 for f in fractions)  # text blocks: every token; chat rows: answers only
     assert np.isfinite([r["loss"] for r in records(tmp_path)]).all()
+
+
+def test_dry_run_shows_the_trained_tokens_and_eval_generate_speak_chat(one_process, chat_file, cache_dir, tmp_path):
+    out = tmp_path / "dry"
+    proc = shardlm_cli([*chat_args(chat_file, cache_dir, out), "--dry-run"])
+    assert "chat (messages, detected from its fields)" in proc.stdout
+    assert "<|im_start|>user\nReverse: " in proc.stdout and "<|im_end|>⟧" in proc.stdout
+    assert not out.exists()
+    result = json.loads(shardlm_cli(["eval", str(one_process), "--exact-match", "4"]).stdout)
+    assert result["exact_match_n"] == 4 and 0 <= result["exact_match"] <= 1 and result["tokens"] > 0
+    reply = shardlm_cli(["generate", str(one_process), "--chat", "--prompt", "Reverse: ab", "--temperature", "0",
+                         "--max-new-tokens", "6", "--json"])
+    assert json.loads(reply.stdout)["messages"] == [{"role": "user", "content": "Reverse: ab"}]

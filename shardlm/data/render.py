@@ -150,3 +150,19 @@ def render_examples(tok, examples: Iterable[tuple[str, Example]], train_on_promp
     for where, example in examples:
         ids, mask = tokenize(tok, example, where, train_on_prompt)
         yield where, ids, mask
+
+
+def show_targets(tok, ids, mask, limit: int = 1200) -> str:
+    """An example as text with its trained tokens between ⟦ ⟧ (what `--dry-run` prints)."""
+    out, run, trained = [], [], bool(mask[0]) if len(mask) else False
+    for i, m in zip(ids, mask, strict=True):
+        if bool(m) != trained and run:
+            text = tok.decode(run)
+            out.append(f"⟦{text}⟧" if trained else text)
+            run = []
+        trained = bool(m)
+        run.append(int(i))
+    if run:
+        out.append(f"⟦{tok.decode(run)}⟧" if trained else tok.decode(run))
+    text = "".join(out)
+    return text if len(text) <= limit else text[:limit] + " ..."

@@ -26,26 +26,45 @@ import numpy as np
 import torch
 
 from shardlm import ShardlmError
-from shardlm.config import Config
+from shardlm.config import Config, DataConfig
 from shardlm.models import lora
 
 PEEK_FILES, PEEK_RECORDS = 100, 2  # what of the data a dry run reads
 
 
-def _data_line(name: str, spec: str | None, default_split: str, data_files=None, field: str = "text") -> str:
+def _data_line(name: str, spec: str | None, default_split: str, d: DataConfig) -> str:
+    from shardlm.data.examples import source_format
     from shardlm.data.sources import iter_documents, resolve
 
     if spec is None:
         return f"{name}: none (the tail of the training data is held out)"
-    source = resolve(spec, default_split, data_files)
+    source = resolve(spec, default_split, d.data_files)
     if source.hf:
         repo, config, split = source.hf
         return f"{name}: Hugging Face dataset {repo}" + (f"/{config}" if config else "") + f", split {split}" \
             " (not downloaded by a dry run)"
-    for path in source.files[:PEEK_FILES]:
-        list(itertools.islice(iter_documents(dataclasses.replace(source, files=(path,)), field), PEEK_RECORDS))
+    fmt, variant, _ = source_format(source, d)
+    if fmt == "text":
+        for path in source.files[:PEEK_FILES]:
+            list(itertools.islice(iter_documents(dataclasses.replace(source, files=(path,)), d.text_field),
+                                  PEEK_RECORDS))
     size = sum(p.stat().st_size for p in source.files)
-    return f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB"
+    how = "data.format" if d.format != "auto" else "detected from its fields"
+    return f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB; {fmt} ({variant}, {how})"
+
+
+def _example_lines(train, tokenizer) -> list[str]:
+    """Each example source's packing line and its first example rendered, the trained tokens marked."""
+    from shardlm.data import ExampleRows, describe
+    from shardlm.data.render import show_targets
+
+    parts = getattr(train, "parts", [train])
+    lines = describe(train)
+    for part in parts:
+        if isinstance(part, ExampleRows) and len(part.ids):
+            ids, mask = part.examples.example(int(part.ids[0]))
+            lines.append("first example (the trained tokens between ⟦ ⟧):\n" + show_targets(tokenizer, ids, mask))
+    return lines
 
 
 def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
@@ -100,7 +119,7 @@ def enough_tokens(cfg: Config, world: int) -> int:
     return math.ceil(train_tokens / (1 - d.val_fraction)) + math.ceil((val_blocks * d.seq_len + 2) / d.val_fraction)
 
 
-def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None]:
+def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None, list[str]]:
     """The run's block and step checks, on counted tokens (`counting_loader`): the same messages; the run's
     steps where they are known (None: not counted)."""
     from shardlm.data import counting_loader, prepare_data
@@ -110,19 +129,20 @@ def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None]:
     d = cfg.data
     specs = [*(d.train if isinstance(d.train, list) else [d.train]), *([d.val] if d.val else [])]
     if tokenizer is None:
-        return "blocks: not counted (the tokenizer is a hub name that cannot be reached)", cfg.train.max_steps
+        return "blocks: not counted (the tokenizer is a hub name that cannot be reached)", cfg.train.max_steps, []
     if any(resolve(spec, "train", d.data_files).hf for spec in specs):
-        return "blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)", cfg.train.max_steps
+        return "blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)", cfg.train.max_steps, []
     exact: list[bool] = []
     train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
     steps = count_steps(cfg, train, world)
     _check_generation(cfg, val)
     blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
+    examples = _example_lines(train, tokenizer)
     if all(exact):
-        return f"blocks: {blocks}; {steps:,} steps", steps
+        return f"blocks: {blocks}; {steps:,} steps", steps, examples
     steps_known = f"; {steps:,} steps" if cfg.train.max_steps is not None else ""
     return (f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}",
-            cfg.train.max_steps)
+            cfg.train.max_steps, examples)
 
 
 def _check_generation(cfg: Config, val) -> None:
@@ -165,17 +185,17 @@ def dry_run(cfg: Config, world_size: int) -> str:
     d = cfg.data
     specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
         [("data.train", d.train)]
-    data_lines = [*(_data_line(name, spec, "train", d.data_files, d.text_field) for name, spec in specs),
-                  _data_line("data.val", d.val, "validation", d.data_files, d.text_field)]
+    data_lines = [*(_data_line(name, spec, "train", d) for name, spec in specs),
+                  _data_line("data.val", d.val, "validation", d)]
     world = world_size * (xla.device_count() if device.type == "xla" else 1)
-    blocks, steps = _blocks_line(cfg, tokenizer, world)
+    blocks, steps, examples = _blocks_line(cfg, tokenizer, world)
     resume, resumed = _resume_lines(cfg, hf_cfg) if hf_cfg is not None else ([], None)
     done = resumed is not None and steps is not None and resumed >= steps > 0
     finished = [f"nothing to train: the checkpoint is step {resumed} and this config ends at step {steps}. To "
                 "train further raise train.max_steps (or train.epochs); to start over use a new out_dir or "
                 "checkpoint.resume=none."] if done else []
     note = task_defaults_note(cfg)
-    lines = [*data_lines, blocks, *model_lines, *resume,
+    lines = [*data_lines, blocks, *examples, *model_lines, *resume,
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")
              + f", {cfg.parallel.precision}, compile {pl.compile}",
