@@ -154,7 +154,9 @@ def render_examples(tok, examples: Iterable[tuple[str, Example]], train_on_promp
 
 def show_targets(tok, ids, mask, limit: int = 1200) -> str:
     """An example as text with its trained tokens between ⟦ ⟧ (what `--dry-run` prints)."""
-    out, run, trained = [], [], bool(mask[0]) if len(mask) else False
+    out: list[str] = []
+    run: list[int] = []
+    trained = bool(mask[0]) if len(mask) else False
     for i, m in zip(ids, mask, strict=True):
         if bool(m) != trained and run:
             text = tok.decode(run)
