@@ -193,3 +193,29 @@ def test_no_chat_template_and_too_long_examples_are_clear_errors(tmp_path):
     rows = ExampleRows(examples_of([20, 5]), 8, truncation="drop")
     assert rows.dropped == 1 and len(rows.ids) == 1
     assert ExampleRows(examples_of([20, 5]), 8).truncated == 1
+
+
+def test_every_reader_gives_the_same_examples(tmp_path):
+    """JSONL (gzip), Parquet, a save_to_disk folder, hf:json and a folder: the same ids and masks."""
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", rows)
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "a.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "arrow"))
+    tok = load_tokenizer("bytes")
+    set_chat_template(tok, "chatml")
+    cfg = DataConfig(data_files=str(jsonl))
+    built = [load_examples(build_examples(resolve(spec, "train", cfg.data_files), tok, cfg, tmp_path / "cache",
+                                          log=lambda _: None))
+             for spec in (str(jsonl), str(tmp_path / "gz"), str(tmp_path / "a.parquet"), str(tmp_path / "arrow"),
+                          "hf:json")]
+    for got in built:
+        assert len(got) == 2 and got.meta["variant"] == "messages"
+        assert np.array_equal(got.tokens, built[0].tokens) and np.array_equal(got.labels, built[0].labels)
