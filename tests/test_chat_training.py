@@ -101,3 +101,12 @@ def test_dry_run_shows_the_trained_tokens_and_eval_generate_speak_chat(one_proce
     reply = shardlm_cli(["generate", str(one_process), "--chat", "--prompt", "Reverse: ab", "--temperature", "0",
                          "--max-new-tokens", "6", "--json"])
     assert json.loads(reply.stdout)["messages"] == [{"role": "user", "content": "Reverse: ab"}]
+    (tmp_path / "m.json").write_text('{"role": "user"}')
+    for args, message in ((["eval", str(one_process), "--stride", "8"], "--stride scores continuations of text; the "
+                            "validation data holds examples. Score their answers with --exact-match N."),
+                          (["generate", str(one_process), "--chat", "--messages", str(tmp_path / "m.json")],
+                           "must hold a non-empty list of"),
+                          (["generate", str(one_process), "--chat"], "--chat without --prompt or --messages is an "
+                                                                     "interactive loop and needs a terminal")):
+        proc = shardlm_cli(args, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
