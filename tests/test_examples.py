@@ -234,3 +234,16 @@ def test_format_choice_text_files_and_preference_pairs_are_clear_errors(tmp_path
         source_format(resolve(str(tmp_path / "notes.txt")), DataConfig(format="chat"))
     with pytest.raises(ShardlmError, match=r"preference pairs \(chosen/rejected\) are not trained"):
         detect({"prompt": "p", "chosen": "a", "rejected": "b"})
+
+
+def test_chatml_on_a_pretrained_vocabulary_without_room_says_use_plain(hf_folder):
+    from shardlm.config import load_config
+    from shardlm.models.causal_lm import model_config
+    from shardlm.tokenizer import model_tokenizer
+
+    cfg = load_config(None, [f"model.name={hf_folder}", "model.chat_template=chatml"])
+    with pytest.raises(ShardlmError, match="model.chat_template=chatml adds special tokens to tokenizer .* use "
+                                           "model.chat_template=plain"):
+        model_config(cfg, model_tokenizer(cfg.model))
+    cfg = load_config(None, [f"model.name={hf_folder}", "model.chat_template=plain"])
+    model_config(cfg, model_tokenizer(cfg.model))

@@ -18,7 +18,7 @@ from shardlm import ShardlmError
 from shardlm.config import Config, nearest
 from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
 from shardlm.models.loss import linear_cross_entropy, logits_cross_entropy
-from shardlm.tokenizer import tokenizer_spec
+from shardlm.tokenizer import BUILTIN_TEMPLATES, tokenizer_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -185,6 +185,11 @@ def check_tokenizer(hf_cfg, tokenizer, cfg: Config) -> None:
     """A tokenizer that is not the model's would train without complaint on ids the model never learned."""
     name = tokenizer_spec(cfg.model)
     vocab = getattr(hf_cfg, "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab and cfg.model.chat_template in BUILTIN_TEMPLATES:
+        raise ShardlmError(f"model.chat_template={cfg.model.chat_template} adds special tokens to tokenizer '{name}' "
+                           f"({len(tokenizer)} tokens) that the model's vocabulary of {vocab} has no room for: use "
+                           "model.chat_template=plain (it adds no tokens), or a .jinja template written with the "
+                           "model's own tokens.")
     if vocab is not None and len(tokenizer) > vocab:
         raise ShardlmError(f"tokenizer '{name}' has {len(tokenizer)} tokens but the model's vocabulary "
                            f"holds {vocab}: use the model's own tokenizer (leave model.tokenizer unset).")
