@@ -245,5 +245,5 @@ def test_chatml_on_a_pretrained_vocabulary_without_room_says_use_plain(hf_folder
     with pytest.raises(ShardlmError, match="model.chat_template=chatml adds special tokens to tokenizer .* use "
                                            "model.chat_template=plain"):
         model_config(cfg, model_tokenizer(cfg.model))
-    cfg = load_config(None, [f"model.name={hf_folder}", "model.chat_template=plain"])
+    cfg = load_config(None, [f"model.name={hf_folder}", "model.chat_template=plain", "data.seq_len=32"])
     model_config(cfg, model_tokenizer(cfg.model))
