@@ -96,14 +96,15 @@ def test_dry_run_shows_the_trained_tokens_and_eval_generate_speak_chat(one_proce
     assert "chat (messages, detected from its fields)" in proc.stdout
     assert "<|im_start|>user\nReverse: " in proc.stdout and "<|im_end|>⟧" in proc.stdout
     assert not out.exists()
-    result = json.loads(shardlm_cli(["eval", str(one_process), "--exact-match", "4"]).stdout)
+    result = json.loads(shardlm_cli(["eval", str(one_process), "--exact-match", "4", "--generation", "4"]).stdout)
     assert result["exact_match_n"] == 4 and 0 <= result["exact_match"] <= 1 and result["tokens"] > 0
+    assert result["generation"]["prompts"] == 4 and "rouge_l" in result["generation"]  # answers vs references
     reply = shardlm_cli(["generate", str(one_process), "--chat", "--prompt", "Reverse: ab", "--temperature", "0",
                          "--max-new-tokens", "6", "--json"])
     assert json.loads(reply.stdout)["messages"] == [{"role": "user", "content": "Reverse: ab"}]
     (tmp_path / "m.json").write_text('{"role": "user"}')
     for args, message in ((["eval", str(one_process), "--stride", "8"], "--stride scores continuations of text; the "
-                            "validation data holds examples. Score their answers with --exact-match N."),
+                            "validation data holds examples. Score their answers with --exact-match N"),
                           (["generate", str(one_process), "--chat", "--messages", str(tmp_path / "m.json")],
                            "must hold a non-empty list of"),
                           (["generate", str(one_process), "--chat"], "--chat without --prompt or --messages is an "

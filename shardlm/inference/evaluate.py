@@ -169,18 +169,20 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
         tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
         text = [t for t in tails if not isinstance(t, ExampleRows)]
-        if len(text) < len(tails) and (stride or gen.n):
-            raise ShardlmError(f"--{'stride' if stride else 'generation'} scores continuations of text; the "
-                               "validation data holds examples. Score their answers with --exact-match N.")
+        if len(text) < len(tails) and stride:
+            raise ShardlmError("--stride scores continuations of text; the validation data holds examples. Score "
+                               "their answers with --exact-match N (or --generation N).")
         tokens = np.concatenate(text) if text else np.zeros(0, dtype=np.int64)
     seq_len = min(cfg.data.seq_len, context)
-    if gen.n:
+    examples = len(text) < len(tails)
+    if gen.n and not examples:
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
     result = _evaluate(model, tokens, tails, cfg, context, stride or 0, device)
     print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
           + held_out_words(result["tokens"], result["held_out_tokens"], cfg.train.eval_batches), file=sys.stderr)
     if gen.n:
-        result["generation"] = evaluate_generation(model, tokenizer, tokens, seq_len, gen, device)
+        result["generation"] = _answer_quality(model, tokenizer, cfg, gen) if examples else \
+            evaluate_generation(model, tokenizer, tokens, seq_len, gen, device)
         log_generation(ckpt, result["generation"])
     if exact_match:
         result.update(_exact_match(model, tokenizer, cfg, exact_match))
@@ -253,15 +255,32 @@ def _evaluate(model, tokens: np.ndarray, tails: list[np.ndarray], cfg, context: 
     return evaluate_blocks(model, blocks, t.batch_size, t.eval_batches, chunk)
 
 
-def _exact_match(model, tokenizer, cfg, n: int) -> dict:
-    """`--exact-match N`: greedy answers to the first N held-out prompts (data.val, or each source's tail)."""
+def _held_out_examples(cfg, n: int) -> list:
+    """The first N held-out examples: data.val's, or each source's held-out tail."""
     from shardlm.inference import exact_match
 
     specs = [cfg.data.val] if cfg.data.val else \
         (cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train])
     tail = None if cfg.data.val else cfg.data.val_fraction
-    examples = [e for spec in specs for e in exact_match.held_out_examples(spec, "validation", cfg.data, tail, n)]
-    return exact_match.summary(exact_match.score(model.eval(), tokenizer, examples[:n]))
+    return [e for spec in specs for e in exact_match.held_out_examples(spec, "validation", cfg.data, tail, n)][:n]
+
+
+def _exact_match(model, tokenizer, cfg, n: int) -> dict:
+    """`--exact-match N`: greedy answers to the first N held-out prompts."""
+    from shardlm.inference import exact_match
+
+    return exact_match.summary(exact_match.score(model.eval(), tokenizer, _held_out_examples(cfg, n)))
+
+
+def _answer_quality(model, tokenizer, cfg, gen: GenOptions) -> dict:
+    """`--generation N` on examples: sampled answers to N held-out prompts against their references."""
+    from shardlm.inference import exact_match
+
+    scored = exact_match.score(model.eval(), tokenizer, _held_out_examples(cfg, gen.n), temperature=gen.temperature,
+                               top_p=gen.top_p, seed=gen.seed)
+    out = exact_match.answer_quality(scored, gen.temperature, gen.top_p, gen.seed)
+    print(exact_match.describe_answers(out), file=sys.stderr)
+    return out
 
 
 def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> list:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+import torch
+
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
 from shardlm.data.examples import iter_examples, source_format
@@ -56,16 +58,19 @@ def held_out_examples(spec: str, split: str, cfg: DataConfig, tail: float | None
     return examples[:n]
 
 
-def score(model, tok, examples: list[Example], max_new_tokens: int = 64, batch_size: int = 16) -> list[Scored]:
+def score(model, tok, examples: list[Example], max_new_tokens: int = 64, batch_size: int = 16,
+          temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[Scored]:
+    """An answer to each example's prompt: greedy by default, else sampled (seeded)."""
     stop = end_of_turn_id(tok)
     scored = []
+    torch.manual_seed(seed)
     for first in range(0, len(examples), batch_size):
         batch = [prompt_and_reference(tok, e) for e in examples[first:first + batch_size]]
-        new = generate_batch(model, [ids for ids, _ in batch], max_new_tokens, stop, temperature=0.0,
-                             pad=pad_id(tok))
+        new = generate_batch(model, [ids for ids, _ in batch], max_new_tokens, stop, temperature=temperature,
+                             top_p=top_p, pad=pad_id(tok))
         for (ids, reference), [answer] in zip(batch, new, strict=True):
             scored.append(Scored(tok.decode(ids), reference, tok.decode(answer, skip_special_tokens=True)))
-        print(f"exact match: {first + len(batch)}/{len(examples)} answered", file=sys.stderr, flush=True)
+        print(f"answered {first + len(batch)}/{len(examples)} held-out prompts", file=sys.stderr, flush=True)
     return scored
 
 
@@ -73,3 +78,24 @@ def summary(scored: list[Scored]) -> dict:
     hits = sum(s.exact for s in scored)
     return {"exact_match": hits / max(len(scored), 1), "exact_match_n": len(scored),
             "examples": [{"reference": s.reference, "answer": s.answer} for s in scored[:5]]}
+
+
+def answer_quality(scored: list[Scored], temperature: float, top_p: float, seed: int) -> dict:
+    """`eval --generation N` on examples: the sampled answers' text metrics next to the references' own,
+    ROUGE-L against the references, and exact match (MAUVE compares continuations of text, not answers)."""
+    from shardlm.inference.genquality import text_metrics
+
+    answers, references = [s.answer for s in scored], [s.reference for s in scored]
+    return {**text_metrics(answers, references), "reference": text_metrics(references),
+            "exact_match": sum(s.exact for s in scored) / max(len(scored), 1), "prompts": len(scored),
+            "temperature": temperature, "top_p": top_p, "seed": seed, "answers": True}
+
+
+def describe_answers(g: dict) -> str:
+    return "\n".join([
+        f"generation: answers to {g['prompts']} held-out prompts (temperature {g['temperature']:g}, top-p "
+        f"{g['top_p']:g}, seed {g['seed']})", "                 answers  references",
+        *(f"  {name:<14} {g[key]:7.3f}  {g['reference'][key]:7.3f}" for name, key in
+          (("distinct-1", "distinct_1"), ("distinct-2", "distinct_2"), ("rep-4", "rep_4"),
+           ("self-BLEU", "self_bleu"), ("mean words", "mean_words"))),
+        f"  ROUGE-L vs the references {g['rouge_l']:.3f}; exact match {g['exact_match']:.3f}"])
