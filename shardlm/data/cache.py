@@ -117,46 +117,56 @@ def load_tokens(folder: Path) -> np.memmap:
     return np.memmap(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["num_tokens"],))
 
 
+def build_once(folder: Path, write: Callable[[Path], dict], log: Callable[[str], None]) -> tuple[Path, dict | None]:
+    """`folder`, made by `write(tmp)` (which fills `tmp` and returns its meta) unless complete already: under a
+    temporary name renamed when whole, one builder at a time (`build_lock`). The meta of a build done here,
+    None when the folder was complete."""
+    if (folder / "meta.json").is_file():
+        return folder, None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ShardlmError(f"cannot create token cache folder '{folder.parent}': {e.strerror}. Set data.cache_dir.") \
+            from None
+    with build_lock(folder, log):
+        if (folder / "meta.json").is_file():
+            return folder, None
+        tmp = Path(f"{folder}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        start = time.time()
+        try:
+            meta = {**write(tmp), "seconds": round(time.time() - start, 3), "shardlm_version": __version__}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            try:
+                tmp.rename(folder)
+            except OSError:  # another process finished the same cache first (a file system without locks)
+                shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return folder, meta
+
+
 def build_cache(source: Source, tokenizer, root: Path, text_field: str = "text",
                 rows_are_documents: bool = True, log=print) -> Path:
     """Return the cache folder for `source`, tokenizing it first if no complete cache exists."""
     folder = root / cache_key(source, tokenizer, text_field, rows_are_documents)
-    if (folder / "meta.json").is_file():
-        return folder
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ShardlmError(f"cannot create token cache folder '{root}': {e.strerror}. Set data.cache_dir.") from None
-    with build_lock(folder, log):
-        if not (folder / "meta.json").is_file():
-            _build(source, tokenizer, folder, text_field, rows_are_documents, log)
-    return folder
 
-
-def _build(source: Source, tokenizer, folder: Path, text_field: str, rows_are_documents: bool, log) -> None:
-    tmp = Path(f"{folder}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    start = time.time()
-    log(f"tokenizing {source.spec} -> {folder}")
-    try:
+    def write(tmp: Path) -> dict:
+        log(f"tokenizing {source.spec} -> {folder}")
         with open(tmp / "tokens.bin", "wb") as out, all_cores():
             stats = _write_tokens(source, tokenizer, out, text_field, rows_are_documents)
         _check_text(stats["num_tokens"], stats["documents"], source, text_field)
-        seconds = time.time() - start
-        meta = {**stats, "source": source.spec, "tokenizer": getattr(tokenizer, "name_or_path", ""),
-                "vocab_size": len(tokenizer), "seconds": round(seconds, 3), "shardlm_version": __version__}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process finished the same cache first (a file system without locks)
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    docs = stats["documents"]
-    log(f"tokenized {docs:,} document{'s' if docs != 1 else ''} into {stats['num_tokens']:,} tokens in {seconds:.1f}s "
-        f"({stats['text_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+        return {**stats, "source": source.spec, "tokenizer": getattr(tokenizer, "name_or_path", ""),
+                "vocab_size": len(tokenizer)}
+
+    folder, meta = build_once(folder, write, log)
+    if meta is not None:
+        docs, seconds = meta["documents"], meta["seconds"]
+        log(f"tokenized {docs:,} document{'s' if docs != 1 else ''} into {meta['num_tokens']:,} tokens in "
+            f"{seconds:.1f}s ({meta['text_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+    return folder
 
 
 def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[tuple[list[str], list[bool]]]:

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from shardlm import ShardlmError, __version__
+from shardlm import ShardlmError
 from shardlm.config import DataConfig
-from shardlm.data.cache import build_lock
+from shardlm.data.cache import build_once
 from shardlm.data.formats import BadExample, Example, detect, to_example, variant_of
 from shardlm.data.records import first_record, iter_records
 from shardlm.data.render import tokenize
@@ -129,42 +126,20 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
     """The example cache folder of `source`, built first when none is complete."""
     fmt, variant, first_where = source_format(source, cfg)
     folder = root / examples_key(source, tok, cfg, variant)
-    if (folder / "meta.json").is_file():
-        return folder
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ShardlmError(f"cannot create token cache folder '{root}': {e.strerror}. Set data.cache_dir.") from None
-    with build_lock(folder, log):
-        if not (folder / "meta.json").is_file():
-            _build(source, tok, cfg, fmt, variant, first_where, folder, log)
-    return folder
 
-
-def _build(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_where: str, folder: Path,
-           log: Callable[[str], None]) -> None:
-    tmp = Path(f"{folder}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    start = time.time()
-    log(f"rendering {variant} examples of {source.spec} -> {folder}")
-    try:
+    def write(tmp: Path) -> dict:
+        log(f"rendering {variant} examples of {source.spec} -> {folder}")
         stats = _write(source, tok, cfg, fmt, variant, first_where, tmp)
-        meta = {**stats, "source": source.spec, "tokenizer": getattr(tok, "name_or_path", ""),
-                "seconds": round(time.time() - start, 3), "shardlm_version": __version__}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:
-            tmp.rename(folder)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if stats["skipped"]:
-        log(f"warning: skipped {stats['skipped']:,} bad example{'s' if stats['skipped'] != 1 else ''} "
-            f"(data.on_bad_example=skip); the first: {stats['first_skipped'][0]}")
-    log(f"rendered {stats['examples']:,} examples into {stats['num_tokens']:,} tokens "
-        f"({stats['targets']:,} targets) in {time.time() - start:.1f}s")
+        return {**stats, "source": source.spec, "tokenizer": getattr(tok, "name_or_path", "")}
+
+    folder, meta = build_once(folder, write, log)
+    if meta is not None:
+        if meta["skipped"]:
+            log(f"warning: skipped {meta['skipped']:,} bad example{'s' if meta['skipped'] != 1 else ''} "
+                f"(data.on_bad_example=skip); the first: {meta['first_skipped'][0]}")
+        log(f"rendered {meta['examples']:,} examples into {meta['num_tokens']:,} tokens ({meta['targets']:,} "
+            f"targets) in {meta['seconds']:.1f}s")
+    return folder
 
 
 def load_examples(folder: Path) -> ExampleSet:
