@@ -11,7 +11,7 @@ from shardlm import ShardlmError
 from shardlm.checkpoint import layout
 from shardlm.checkpoint.layout import checkpoints_dir, metrics_file
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
-from shardlm.data import MixtureBlocks, TokenBlocks
+from shardlm.data import MixtureBlocks, TokenBlocks, describe
 from shardlm.distributed.full_state import gather_hf_model
 from shardlm.inference.generate import generate_text
 from shardlm.inference.genquality import GenerationQuality
@@ -57,11 +57,29 @@ def train(cfg: Config, callbacks: Iterable[object] = (), *, continued: bool = Fa
             print(f"exported Hugging Face model to {out}", flush=True)
     if cfg.train.sample_tokens > 0 and trainer.step > 0:
         hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)
-        if hf is not None:
+        if hf is not None and describe(run.val):
+            print(sample_answers(hf, run, cfg.train.sample_tokens) or "", flush=True, end="")
+        elif hf is not None:
             text = generate_text(hf, run.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
                                  temperature=0.8, top_k=200, seed=cfg.train.seed)[0]
             print(f"---- sample ({cfg.train.sample_tokens} tokens) ----\n{text}\n----", flush=True)
     return result
+
+
+def sample_answers(hf, run: Run, max_new_tokens: int, n: int = 3) -> str:
+    """A run on examples ends with the model's greedy answers to the first validation prompts, beside the
+    references (what `shardlm eval --exact-match` scores)."""
+    from shardlm.inference.exact_match import held_out_examples, score
+
+    d = run.cfg.data
+    spec = d.val or (d.train[0] if isinstance(d.train, list) else d.train)
+    try:
+        examples = held_out_examples(spec, "validation", d, None if d.val else d.val_fraction, n)
+    except ShardlmError:  # a mixture whose first source is text: no prompts to answer
+        return ""
+    lines = [f"prompt: {s.prompt!r}\n  answer: {s.answer!r}   reference: {s.reference!r}"
+             for s in score(hf.eval(), run.tokenizer, examples, max_new_tokens, quiet=True)]
+    return "---- answers to held-out prompts (greedy) ----\n" + "\n".join(lines) + "\n----\n"
 
 
 def generation_callback(run: Run) -> list[GenerationQuality]:

@@ -247,3 +247,15 @@ def test_chatml_on_a_pretrained_vocabulary_without_room_says_use_plain(hf_folder
         model_config(cfg, model_tokenizer(cfg.model))
     cfg = load_config(None, [f"model.name={hf_folder}", "model.chat_template=plain", "data.seq_len=32"])
     model_config(cfg, model_tokenizer(cfg.model))
+
+
+def test_prepare_renders_example_sources(tmp_path, capsys):
+    from shardlm.cli import main
+
+    write_jsonl(tmp_path / "chat.jsonl", [GOOD] * 3)
+    argv = ["prepare", f"data.train={tmp_path / 'chat.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}",
+            "model.tokenizer=bytes", "model.chat_template=chatml"]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    assert "train: " in capsys.readouterr().out and len(list((tmp_path / "cache").glob("ex-*/meta.json"))) == 1

@@ -130,7 +130,8 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
     def write(tmp: Path) -> dict:
         log(f"rendering {variant} examples of {source.spec} -> {folder}")
         stats = _write(source, tok, cfg, fmt, variant, first_where, tmp)
-        return {**stats, "source": source.spec, "tokenizer": getattr(tok, "name_or_path", "")}
+        return {**stats, "source": source.spec, "tokenizer": getattr(tok, "name_or_path", ""),
+                "text_bytes": sum(p.stat().st_size for p in source.files) if source.files else None}
 
     folder, meta = build_once(folder, write, log)
     if meta is not None:

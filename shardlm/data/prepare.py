@@ -29,18 +29,20 @@ class Prepared:
     text_bytes: int | None  # None for a cache built by an older shardlm
     seconds: float
     cached: bool  # built earlier (by another run, or another rank while this one waited)
+    unit: str = "document"  # or "example" (an example cache)
 
     def line(self) -> str:
         mb = f"{self.text_bytes / 1e6:,.1f} MB" if self.text_bytes is not None else "? MB"
         speed = "" if self.text_bytes is None else f" ({self.text_bytes / 1e6 / max(self.seconds, 1e-3):,.1f} MB/s)"
         when = "built earlier" if self.cached else f"in {self.seconds:.1f}s{speed}"
-        docs = f"{self.documents:,} document{'s' if self.documents != 1 else ''}"
+        docs = f"{self.documents:,} {self.unit}{'s' if self.documents != 1 else ''}"
         return (f"{self.name}: {self.spec}: {docs}, {self.tokens:,} tokens, {mb}, {when}\n"
                 f"  cache: {self.folder}")
 
 
 def prepare(cfg: Config, log=print) -> list[Prepared]:
     from shardlm.data.cache import build_cache, cache_root
+    from shardlm.data.examples import build_examples, source_format
     from shardlm.data.sources import resolve
     from shardlm.tokenizer import model_tokenizer
 
@@ -59,14 +61,19 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
 
         def tee(msg: str, logs: list[str] = logs) -> None:
             logs.append(msg)
-            if not msg.startswith("tokenized "):  # the summary below says it
+            if not msg.startswith(("tokenized ", "rendered ")):  # the summary below says it
                 log(msg)
 
-        folder = build_cache(source, tokenizer, root, cfg.data.text_field, cfg.data.hf_rows_are_documents, log=tee)
+        if source_format(source, cfg.data)[0] != "text":  # examples: rendered with the chat template
+            folder = build_examples(source, tokenizer, cfg.data, root, log=tee)
+        else:
+            folder = build_cache(source, tokenizer, root, cfg.data.text_field, cfg.data.hf_rows_are_documents,
+                                 log=tee)
         meta = json.loads((folder / "meta.json").read_text())
-        built_here = any(m.startswith("tokenizing") for m in logs)
-        done.append(Prepared(name, spec, folder, meta["documents"], meta["num_tokens"], meta.get("text_bytes"),
-                             meta.get("seconds", time.time() - start) if built_here else 0.0, not built_here))
+        built_here = any(m.startswith(("tokenizing", "rendering")) for m in logs)
+        done.append(Prepared(name, spec, folder, meta.get("documents", meta.get("examples", 0)), meta["num_tokens"],
+                             meta.get("text_bytes"), meta.get("seconds", time.time() - start) if built_here else 0.0,
+                             not built_here, "example" if "examples" in meta else "document"))
     return done
 
 

@@ -59,7 +59,7 @@ def held_out_examples(spec: str, split: str, cfg: DataConfig, tail: float | None
 
 
 def score(model, tok, examples: list[Example], max_new_tokens: int = 64, batch_size: int = 16,
-          temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[Scored]:
+          temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, quiet: bool = False) -> list[Scored]:
     """An answer to each example's prompt: greedy by default, else sampled (seeded)."""
     stop = end_of_turn_id(tok)
     scored = []
@@ -70,7 +70,8 @@ def score(model, tok, examples: list[Example], max_new_tokens: int = 64, batch_s
                              top_p=top_p, pad=pad_id(tok))
         for (ids, reference), [answer] in zip(batch, new, strict=True):
             scored.append(Scored(tok.decode(ids), reference, tok.decode(answer, skip_special_tokens=True)))
-        print(f"answered {first + len(batch)}/{len(examples)} held-out prompts", file=sys.stderr, flush=True)
+        if not quiet:
+            print(f"answered {first + len(batch)}/{len(examples)} held-out prompts", file=sys.stderr, flush=True)
     return scored
 
 
