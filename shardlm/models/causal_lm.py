@@ -17,7 +17,7 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, nearest
 from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
-from shardlm.models.loss import linear_cross_entropy, logits_cross_entropy
+from shardlm.models.loss import IGNORE, linear_cross_entropy, logits_cross_entropy
 from shardlm.tokenizer import BUILTIN_TEMPLATES, tokenizer_spec
 
 if TYPE_CHECKING:
@@ -67,9 +67,15 @@ class CausalLM(nn.Module):
         if self.full_logits:
             logits = self.hf(input_ids=tokens, use_cache=False, **kwargs).logits
             return logits_cross_entropy(logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
-        hidden = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state
+        hidden = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
+        targets = targets.flatten()
+        if positions is not None and not torch.compiler.is_compiling():
+            # examples: most positions are prompts or padding; the head and loss run on the targets alone
+            # (the same sums; eager only, as the count is data-dependent)
+            keep = (targets != IGNORE).nonzero().squeeze(1)
+            hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
         head = self.hf.get_output_embeddings()
-        return self.loss_fn(hidden.flatten(0, 1), head.weight, targets.flatten(), self.loss_chunk_size,
+        return self.loss_fn(hidden, head.weight, targets, self.loss_chunk_size,
                             bias=getattr(head, "bias", None), with_accuracy=not self.training)
 
 
