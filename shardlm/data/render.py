@@ -110,6 +110,10 @@ def chat_ids(tok, example: Example, where: str, train_on_prompt: bool) -> tuple[
         raise ShardlmError(f"{where}: a conversation needs a chat template and tokenizer "
                            f"'{getattr(tok, 'name_or_path', '')}' has none. Set model.chat_template to chatml, plain "
                            "or a .jinja file.")
+    if not getattr(tok, "is_fast", False):
+        raise ShardlmError(f"tokenizer '{getattr(tok, 'name_or_path', '')}' is a slow (Python) tokenizer: answer "
+                           "masks need the character offsets only fast tokenizers give. Use the model's fast "
+                           "tokenizer (a folder with tokenizer.json), or data.format=text.")
     full, spans = assistant_spans(tok, example.messages, example.first_trained, where)
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
