@@ -10,6 +10,7 @@ temporary name, renamed when whole, one builder at a time (`cache.build_lock`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterator
@@ -44,6 +45,14 @@ class ExampleSet:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    @functools.cached_property
+    def targets(self) -> np.ndarray:
+        """Target tokens of each whole example (its first token is never one: nothing precedes it), in one pass."""
+        if len(self) == 0:
+            return np.zeros(0, dtype=np.int64)
+        starts = self.offsets[:-1]
+        return np.add.reduceat(self.labels, starts, dtype=np.int64) - np.asarray(self.labels[starts], dtype=np.int64)
 
     def example(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         a, b = int(self.offsets[k]), int(self.offsets[k + 1])

@@ -102,7 +102,10 @@ class ExampleRows:
         self.ids = keep  # example index of each kept example
         local = best_fit_decreasing(self.lengths, seq_len) if packing else [[k] for k in range(len(keep))]
         self.rows, self.packed = local, packing
-        self.row_targets = np.array([sum(self._targets(k) for k in row) for row in local], dtype=np.int64)
+        targets = examples.targets[keep]
+        for k in np.flatnonzero(examples.lengths[keep] > seq_len):  # truncated: count what is kept
+            targets[k] = self._targets(int(k))
+        self.row_targets = np.array([targets[row].sum() for row in local], dtype=np.int64)
         self.num_blocks = len(local)
 
     def _targets(self, k: int) -> int:
