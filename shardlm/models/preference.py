@@ -5,7 +5,8 @@ Inputs per pair: the policy's summed log-probabilities of the chosen and rejecte
 token counts. Each function returns per-pair losses and the rewards TRL logs (`rewards/chosen`, ...).
 
 - dpo (trl/trainer/dpo_trainer.py, "sigmoid"; with label smoothing the conservative cDPO form, as CPO's
-  "sigmoid"): Δ = (c - c_ref) - (r - r_ref);  loss = -(1 - ε) log σ(βΔ) - ε log σ(-βΔ);  rewards β(c - c_ref), β(r - r_ref)
+  "sigmoid"): Δ = (c - c_ref) - (r - r_ref);  loss = -(1 - ε) log σ(βΔ) - ε log σ(-βΔ);
+  rewards β(c - c_ref), β(r - r_ref)
 - ipo (dpo_trainer.py, "ipo", per-token averaged as TRL does): Δ = (c - c_ref)/|y_c| - (r - r_ref)/|y_r|;
   loss = (Δ - 1/(2β))²
 - simpo (trl/experimental/cpo/cpo_trainer.py, loss_type "simpo"): ρ = c/|y_c| - r/|y_r| - γ/β;
