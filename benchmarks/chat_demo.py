@@ -35,12 +35,14 @@ def train_and_score(out: Path, steps: int, heldout: int, extra: list[str]) -> di
     shardlm("train", "chat_tiny", f"out_dir={out}", f"train.max_steps={steps}", "log.tensorboard=false",
             "log.progress=none", *extra)
     seconds = time.time() - began
-    result = json.loads(shardlm("eval", str(out), "data.val=chat_tasks_heldout", "--exact-match", str(heldout)))
+    # the answers' loss whatever the run trained on (a whole-example run's config says train_on_prompt=true)
+    result = json.loads(shardlm("eval", str(out), "data.val=chat_tasks_heldout", "data.train_on_prompt=false",
+                                "--exact-match", str(heldout)))
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if r["split"] == "val"]
     return {"steps": steps, "train_seconds": round(seconds, 1), "exact_match": result["exact_match"],
             "exact_match_n": result["exact_match_n"], "heldout_answer_loss": result["loss"],
-            "final_val_answer_loss": val[-1]["loss"] if val else None, "examples": result["examples"]}
+            "final_val_loss_as_trained": val[-1]["loss"] if val else None, "examples": result["examples"]}
 
 
 def main() -> None:
@@ -62,7 +64,8 @@ def main() -> None:
     out = {"benchmark": "chat_demo", "config": "configs/chat_tiny.yaml", "machine": {
         "cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__}, **runs,
         "note": "exact match on chat_tasks_heldout (never trained on); heldout_answer_loss is the mean loss on the "
-                "answer tokens of the held-out conversations, comparable between the runs"}
+                "answer tokens of the held-out conversations, comparable between the runs; final_val_loss_as_trained "
+                "is the run's own validation loss (all tokens for the whole-example run)"}
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
