@@ -50,7 +50,8 @@ class StepResult(TypedDict):
     grad_norm: float
     finite: bool
     lr: float
-    targets: int  # target tokens of the whole step (every rank): the loss is their mean
+    targets: int  # target tokens of the whole step (every rank): the loss is their mean; pairs for preference
+    stats: torch.Tensor | None  # preference: this rank's sums of rewards/chosen, ... (training.preference.STATS)
 
 
 class TrainerView(Protocol):

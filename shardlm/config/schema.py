@@ -27,7 +27,7 @@ CHOICE_HINTS = {"parallel.sharding": " ZeRO / FSDP1 names work too: zero3 or FUL
 
 # auto, or the transformers attn_implementation used as given (sdpa: transformers' own masks)
 ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-DATA_FORMATS = ("auto", "text", "completion", "chat")
+DATA_FORMATS = ("auto", "text", "completion", "chat", "preference")
 TRUNCATIONS = ("truncate", "drop", "error")
 ON_BAD_EXAMPLE = ("error", "skip")
 
@@ -71,7 +71,7 @@ class DataConfig:
     hf_rows_are_documents: bool = True  # False for line-per-row datasets such as wikitext (no EOS per row)
     cache_dir: str | None = None  # token cache; None = ~/.cache/shardlm (or $SHARDLM_CACHE)
     data_files: Any = None  # for hf:json / hf:parquet / hf:csv / hf:text: a path, glob, list, or {split: files}
-    format: str = "auto"  # auto (from each source's fields) | text | completion (prompt/completion, Alpaca) | chat
+    format: str = "auto"  # auto (from each source's fields) | text | completion | chat | preference (chosen/rejected)
     train_on_prompt: bool = False  # examples: also train on prompts and user turns (default: answers only)
     packing: bool = True  # examples: pack whole examples into seq_len rows (attention isolated); false = pad each
     truncation: str = "truncate"  # examples longer than seq_len: truncate (keep the start), drop or error
@@ -102,6 +102,15 @@ class TrainConfig:
     sample_prompt: str = "\n"  # prompt of that sample
     gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
     gen_samples: int = 32  # held-out prompts sampled for those metrics
+    objective: str = "sft"  # sft (next-token loss) | dpo | ipo | simpo | orpo (preference pairs, section preference)
+
+
+@dataclass
+class PreferenceConfig:
+    beta: float = 0.1  # dpo/ipo: how strongly the reference holds the policy; simpo/orpo: the reward scale (TRL's)
+    label_smoothing: float = 0.0  # dpo/simpo: the chance a pair's labels are flipped (conservative DPO); 0 = off
+    gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    reference: str = "precomputed"  # dpo/ipo: its log-probabilities computed once before training, beside the cache
 
 
 @dataclass
@@ -147,6 +156,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)

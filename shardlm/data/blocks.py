@@ -25,9 +25,11 @@ class Batch(NamedTuple):
     inputs: torch.Tensor
     targets: torch.Tensor
     positions: torch.Tensor | None = None
+    segments: torch.Tensor | None = None  # preference pairs: each position's sequence (2 x pair slot + side), -1 pad
+    units: torch.Tensor | None = None  # preference pairs: the pair index of each slot (the reference's rows)
 
     def map(self, fn) -> Batch:
-        return Batch(fn(self.inputs), fn(self.targets), None if self.positions is None else fn(self.positions))
+        return Batch(*(None if t is None else fn(t) for t in self))  # type: ignore[arg-type]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))

@@ -22,9 +22,9 @@ import numpy as np
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
 from shardlm.data.cache import build_once
-from shardlm.data.formats import BadExample, Example, detect, to_example, variant_of
+from shardlm.data.formats import BadExample, Example, Pair, detect, to_example, to_pair, variant_of
 from shardlm.data.records import first_record, iter_records
-from shardlm.data.render import tokenize
+from shardlm.data.render import pair_ids, tokenize
 from shardlm.data.sources import Source
 from shardlm.tokenizer import fingerprint, template_fingerprint
 
@@ -40,7 +40,12 @@ class ExampleSet:
     meta: dict
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        """Units: examples, or preference pairs (two sequences each)."""
+        return (len(self.offsets) - 1) // self.group
+
+    @property
+    def group(self) -> int:
+        return 2 if "pairs" in self.meta else 1
 
     @property
     def lengths(self) -> np.ndarray:
@@ -49,7 +54,7 @@ class ExampleSet:
     @functools.cached_property
     def targets(self) -> np.ndarray:
         """Target tokens of each whole example (its first token is never one: nothing precedes it), in one pass."""
-        if len(self) == 0:
+        if len(self.offsets) == 1:
             return np.zeros(0, dtype=np.int64)
         starts = self.offsets[:-1]
         return np.add.reduceat(self.labels, starts, dtype=np.int64) - np.asarray(self.labels[starts], dtype=np.int64)
@@ -84,7 +89,7 @@ def examples_key(source: Source, tok, cfg: DataConfig, variant: str) -> str:
 
 
 def iter_examples(source: Source, fmt: str, variant: str, first_where: str, cfg: DataConfig,
-                  skipped: list[str]) -> Iterator[tuple[int, str, Example]]:
+                  skipped: list[str]) -> Iterator[tuple[int, str, Example | Pair]]:
     """(record number, where, example) of every record; bad ones raise, or with on_bad_example=skip are
     appended to `skipped` (their messages)."""
     for n, (where, record) in enumerate(iter_records(source)):
@@ -97,7 +102,8 @@ def iter_examples(source: Source, fmt: str, variant: str, first_where: str, cfg:
                 raise BadExample(f"{where}: this record is a '{found}' example, but the first record ({first_where}) "
                                  f"is '{variant}': one source holds one format. Convert the records to one format "
                                  "or split them into two sources (a list data.train).")
-            yield n, where, to_example(record, found, where, cfg.system_prompt)
+            yield n, where, to_pair(record, where, cfg.system_prompt) if fmt == "preference" else \
+                to_example(record, found, where, cfg.system_prompt)
         except BadExample as e:
             if cfg.on_bad_example != "skip":
                 raise
@@ -107,28 +113,39 @@ def iter_examples(source: Source, fmt: str, variant: str, first_where: str, cfg:
 def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_where: str, tmp: Path) -> dict:
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
     offsets, records, skipped = [0], [], []  # type: list[int], list[int], list[str]
-    targets = 0
+    targets = identical = 0
     with open(tmp / "tokens.bin", "wb") as ids_out, open(tmp / "labels.bin", "wb") as labels_out:
         for n, where, example in iter_examples(source, fmt, variant, first_where, cfg, skipped):
             try:
-                ids, mask = tokenize(tok, example, where, cfg.train_on_prompt)
+                sequences = _sequences(tok, example, where, cfg.train_on_prompt)
             except BadExample as e:
                 if cfg.on_bad_example != "skip":
                     raise
                 skipped.append(str(e))
                 continue
-            ids_out.write(np.asarray(ids, dtype=dtype).tobytes())
-            labels_out.write(mask.astype(np.uint8).tobytes())
-            offsets.append(offsets[-1] + len(ids))
-            records.append(n)
-            targets += int(mask[1:].sum())
+            identical += isinstance(example, Pair) and example.identical
+            for ids, mask in sequences:  # a pair is two examples: prompt + chosen, prompt + rejected
+                ids_out.write(np.asarray(ids, dtype=dtype).tobytes())
+                labels_out.write(mask.astype(np.uint8).tobytes())
+                offsets.append(offsets[-1] + len(ids))
+                records.append(n)
+                targets += int(mask[1:].sum())
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     np.save(tmp / "records.npy", np.asarray(records, dtype=np.int64))
     if len(records) == 0:
         why = f" (all {len(skipped)} were skipped as bad; the first: {skipped[0]})" if skipped else ""
         raise ShardlmError(f"data source '{source.spec}' holds no {fmt} examples{why}. Give examples, or fix them.")
     return {"examples": len(records), "num_tokens": offsets[-1], "targets": targets, "dtype": np.dtype(dtype).name,
-            "format": fmt, "variant": variant, "skipped": len(skipped), "first_skipped": skipped[:3]}
+            "format": fmt, "variant": variant, "skipped": len(skipped), "first_skipped": skipped[:3],
+            **({"pairs": len(records) // 2, "identical_pairs": identical} if fmt == "preference" else {})}
+
+
+def _sequences(tok, example: Example | Pair, where: str, train_on_prompt: bool) -> list[tuple[list[int], np.ndarray]]:
+    """An example's (ids, target mask); a pair's two: the answers are the targets (TRL's DPO rule, `pair_ids`)."""
+    if isinstance(example, Pair):
+        chosen, rejected, n = pair_ids(tok, example, where)
+        return [(ids, (np.arange(len(ids)) >= n).astype(np.uint8)) for ids in (chosen, rejected)]
+    return [tokenize(tok, example, where, train_on_prompt)]
 
 
 def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callable[[str], None] = print) -> Path:
@@ -144,6 +161,9 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
 
     folder, meta = build_once(folder, write, log)
     if meta is not None:
+        if meta.get("identical_pairs"):
+            log(f"warning: {meta['identical_pairs']:,} pair(s) of {source.spec} have the same chosen and rejected "
+                "answer: they teach nothing (their DPO loss is constant)")
         if meta["skipped"]:
             log(f"warning: skipped {meta['skipped']:,} bad example{'s' if meta['skipped'] != 1 else ''} "
                 f"(data.on_bad_example=skip); the first: {meta['first_skipped'][0]}")
@@ -157,7 +177,7 @@ def load_examples(folder: Path) -> ExampleSet:
     n, dtype = meta["num_tokens"], np.dtype(meta["dtype"])
     return ExampleSet(np.memmap(folder / "tokens.bin", dtype=dtype, mode="r", shape=(n,)),
                       np.memmap(folder / "labels.bin", dtype=np.uint8, mode="r", shape=(n,)),
-                      np.load(folder / "offsets.npy"), np.load(folder / "records.npy"), meta)
+                      np.load(folder / "offsets.npy"), np.load(folder / "records.npy"), {**meta, "folder": str(folder)})
 
 
 def examples_in_memory(source: Source, tok, cfg: DataConfig) -> ExampleSet:

@@ -23,10 +23,10 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "model": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool",
                   "function": "tool", "observation": "tool", "function_call": "assistant"}
 # (format, variant) by the fields that identify it, in the order they are tried
-VARIANTS = ((("messages",), "chat", "messages"), (("conversations",), "chat", "sharegpt"),
+VARIANTS = ((("chosen", "rejected"), "preference", "pairs"),
+            (("messages",), "chat", "messages"), (("conversations",), "chat", "sharegpt"),
             (("prompt", "completion"), "completion", "prompt_completion"),
             (("instruction", "output"), "completion", "alpaca"))
-PREFERENCE = ("chosen", "rejected")
 
 
 class BadExample(ShardlmError):
@@ -50,9 +50,6 @@ def detect(record: dict) -> tuple[str, str]:
     for keys, fmt, variant in VARIANTS:
         if all(k in record for k in keys):
             return fmt, variant
-    if all(k in record for k in PREFERENCE):
-        raise ShardlmError("preference pairs (chosen/rejected) are not trained by this version of shardlm; "
-                           "give prompt/completion or messages examples.")
     return "text", "text"
 
 
@@ -64,6 +61,7 @@ def variant_of(record: dict, fmt: str, where: str, text_field: str) -> str:
     fields = ", ".join(map(str, list(record)[:10])) or "none"
     wanted = {"chat": "'messages' (a list of {role, content}) or 'conversations' (ShareGPT)",
               "completion": "'prompt' and 'completion', or 'instruction' and 'output' (Alpaca)",
+              "preference": "'chosen' and 'rejected' (with 'prompt', or conversations that share one)",
               "text": f"'{text_field}'"}[fmt]
     fix = "Fix the record, or set data.format to the format of the data" if found_fmt != "text" else \
         "Fix or remove the record (a misspelled field?)"
@@ -156,3 +154,49 @@ def to_example(record: dict, variant: str, where: str, system: str | None = None
     messages = _with_system(messages, system)
     _check_trained(messages, 0, where)
     return Example(messages=messages)
+
+
+@dataclass
+class Pair:
+    """A preference pair: one prompt, a chosen and a rejected answer; all text, or all lists of messages."""
+    prompt: str | list[dict]
+    chosen: str | list[dict]
+    rejected: str | list[dict]
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, list)
+
+    @property
+    def identical(self) -> bool:
+        return self.chosen == self.rejected
+
+
+def _implicit_prompt(chosen: list[dict], rejected: list[dict], where: str) -> tuple[list[dict], list, list]:
+    """Conversations given whole (no 'prompt'): the prompt is what they share before their last assistant turn."""
+    last = max((i for i, m in enumerate(chosen) if m["role"] == "assistant"), default=-1)
+    if last < 0 or chosen[:last] != rejected[:last] or last >= len(rejected):
+        raise BadExample(f"{where}: 'chosen' and 'rejected' differ before their last assistant turn, so they do not "
+                         "answer the same prompt. Give a 'prompt' and the two answers, or make the conversations "
+                         "share every message before the answer.")
+    return chosen[:last], chosen[last:], rejected[last:]
+
+
+def to_pair(record: dict, where: str, system: str | None = None) -> Pair:
+    chosen, rejected, prompt = record["chosen"], record["rejected"], record.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise BadExample(f"{where}: a text pair needs 'prompt' (a string) beside 'chosen' and 'rejected'. Add it.")
+        return Pair(prompt, _text(chosen, "'chosen'", where), _text(rejected, "'rejected'", where))
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        raise BadExample(f"{where}: 'chosen' and 'rejected' must both be text or both be lists of messages (got "
+                         f"{type(chosen).__name__} and {type(rejected).__name__}).")
+    c, r = _messages(chosen, "chosen", where), _messages(rejected, "rejected", where)
+    if prompt is None:
+        p, c, r = _implicit_prompt(c, r, where)
+    else:
+        p = _messages(prompt, "prompt", where)
+    for side, turns in (("chosen", c), ("rejected", r)):
+        if not any(m["role"] == "assistant" for m in turns):
+            raise BadExample(f"{where}: '{side}' has no assistant answer. Give the answer as an assistant message.")
+    return Pair(_with_system(p, system), c, r)

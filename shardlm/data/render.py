@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import cast
 
 import numpy as np
 
 from shardlm import ShardlmError
-from shardlm.data.formats import BadExample, Example
+from shardlm.data.formats import BadExample, Example, Pair
 
 
 class TemplateError(ShardlmError):
@@ -140,6 +141,40 @@ def completion_ids(tok, example: Example, train_on_prompt: bool) -> tuple[list[i
     if not train_on_prompt:
         mask[:common] = 0
     return list(ids), mask
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def pair_ids(tok, pair: Pair, where: str) -> tuple[list[int], list[int], int]:
+    """(prompt + chosen ids, prompt + rejected ids, prompt length), by TRL's DPOTrainer rule: conversations rendered
+    whole by the chat template (the prompt with its generation prompt), text with EOS appended to each answer;
+    the answers start where the prompt's own ids stop agreeing with either side's."""
+    if pair.is_chat:
+        if not getattr(tok, "chat_template", None):
+            raise ShardlmError(f"{where}: a conversation needs a chat template and tokenizer "
+                               f"'{getattr(tok, 'name_or_path', '')}' has none. Set model.chat_template to chatml, "
+                               "plain or a .jinja file.")
+
+        def ids(messages: list[dict], generation: bool = False) -> list[int]:
+            text = _render(tok, messages, where, generation)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+
+        p, c, r = (cast(list, x) for x in (pair.prompt, pair.chosen, pair.rejected))
+        prompt, chosen, rejected = ids(p, generation=True), ids(p + c), ids(p + r)
+    else:
+        eos = tok.eos_token or ""
+        sides = [str(a) if str(a).endswith(eos) else f"{a}{eos}" for a in (pair.chosen, pair.rejected)]
+        prompt = list(tok(pair.prompt)["input_ids"])
+        chosen, rejected = (list(tok(str(pair.prompt) + a)["input_ids"]) for a in sides)
+    n = min(_common(prompt, chosen), _common(prompt, rejected))
+    if n >= len(chosen) or n >= len(rejected):
+        raise BadExample(f"{where}: an answer of this pair has no tokens after the prompt. Give both answers text.")
+    return chosen, rejected, n
 
 
 def tokenize(tok, example: Example, where: str, train_on_prompt: bool = False) -> tuple[list[int], np.ndarray]:

@@ -29,7 +29,9 @@ ASSETS = Path(__file__).parent.parent / "assets"
 # the chat demo's generated instruction set (assets/chat_tasks/README.md): training, validation, held-out prompts
 BUNDLED = {"shakespeare": ASSETS / "tinyshakespeare" / "input.txt", "chat_tasks": ASSETS / "chat_tasks" / "train.jsonl",
            "chat_tasks_val": ASSETS / "chat_tasks" / "val.jsonl",
-           "chat_tasks_heldout": ASSETS / "chat_tasks" / "heldout.jsonl"}
+           "chat_tasks_heldout": ASSETS / "chat_tasks" / "heldout.jsonl",
+           "chat_pairs": ASSETS / "chat_tasks" / "pairs_train.jsonl",
+           "chat_pairs_val": ASSETS / "chat_tasks" / "pairs_val.jsonl"}
 TEXT_SUFFIXES = (".txt", ".csv", ".jsonl", ".json")
 SUFFIXES = (*TEXT_SUFFIXES, ".parquet")
 NAMES = ".txt/.csv/.jsonl (also .gz/.zst), .parquet"

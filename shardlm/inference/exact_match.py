@@ -52,7 +52,7 @@ def held_out_examples(spec: str, split: str, cfg: DataConfig, tail: float | None
     if fmt == "text":
         raise ShardlmError(f"--exact-match scores answers to prompts; '{spec}' holds text, not prompt/completion or "
                            "chat examples. Point data.val at examples.")
-    examples = [e for _, _, e in iter_examples(source, fmt, variant, where, cfg, [])]
+    examples = [e for _, _, e in iter_examples(source, fmt, variant, where, cfg, []) if isinstance(e, Example)]
     if tail is not None:
         examples = examples[int(len(examples) * (1 - tail)):]
     return examples[:n]

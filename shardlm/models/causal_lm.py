@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardlm import ShardlmError
@@ -59,24 +60,44 @@ class CausalLM(nn.Module):
         self.loss_fn = linear_cross_entropy  # parallelize may replace it with a compiled one
         self.full_logits = logit_transform(hf_model.config) is not None or hf_model.get_output_embeddings() is None
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None, sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Sum of token losses and count of correct next-token predictions (targets -100 are ignored).
-        `positions` restarting at 0 mark packed examples: transformers keeps attention inside each one."""
+        `positions` restarting at 0 mark packed examples: transformers keeps attention inside each one. With
+        `segments` (preference pairs), instead the summed log-probability of the targets of each of `sequences`
+        sequences, and their target counts."""
         kwargs = {} if positions is None else {"position_ids": positions}
         if self.full_logits:
             logits = self.hf(input_ids=tokens, use_cache=False, **kwargs).logits
+            if segments is not None:
+                return sequence_logps(logits.flatten(0, 1), targets.flatten(), segments.flatten(), sequences)
             return logits_cross_entropy(logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
         hidden = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
         targets = targets.flatten()
+        head = self.hf.get_output_embeddings()
+        segments = None if segments is None else segments.flatten()
         if positions is not None and not torch.compiler.is_compiling():
             # examples: most positions are prompts or padding; the head and loss run on the targets alone
             # (the same sums; eager only, as the count is data-dependent)
             keep = (targets != IGNORE).nonzero().squeeze(1)
             hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
-        head = self.hf.get_output_embeddings()
+            segments = None if segments is None else segments.index_select(0, keep)
+        if segments is not None:
+            logits = F.linear(hidden, head.weight, getattr(head, "bias", None))
+            return sequence_logps(logits, targets, segments, sequences)
         return self.loss_fn(hidden, head.weight, targets, self.loss_chunk_size,
                             bias=getattr(head, "bias", None), with_accuracy=not self.training)
+
+
+def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor,
+                   sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each sequence's targets, their counts), in fp32 like the loss."""
+    valid = targets != IGNORE
+    token_logps = -F.cross_entropy(logits.float(), targets, ignore_index=IGNORE, reduction="none")
+    index = torch.where(valid, segments, sequences)  # non-targets go to a spare slot, dropped
+    sums = torch.zeros(sequences + 1, device=logits.device, dtype=torch.float32).index_add(0, index, token_logps)
+    counts = torch.zeros(sequences + 1, device=logits.device, dtype=torch.float32).index_add(0, index, valid.float())
+    return sums[:sequences], counts[:sequences]
 
 
 def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int, device: torch.device,

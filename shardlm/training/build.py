@@ -21,6 +21,7 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, check_packing, empty_model, initial_model, model_config
 from shardlm.models.state_keys import from_hf, hf_name
 from shardlm.tokenizer import model_tokenizer
+from shardlm.training.preference import check_objective
 from shardlm.training.schedule import WarmupCosine
 
 if TYPE_CHECKING:
@@ -157,6 +158,7 @@ def build(cfg: Config) -> Run:
     hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)
     check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
+    check_objective(cfg, train, val)
     total = count_steps(cfg, train, d.data_parallel)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, hf_cfg, pl, d)

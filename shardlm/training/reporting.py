@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,9 +24,8 @@ from shardlm.models.causal_lm import num_params
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
 from shardlm.observe.metrics import MetricsLog, flops_per_token, held_out_words
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
-
-if TYPE_CHECKING:
-    from shardlm.training.build import Run
+from shardlm.training.build import Run
+from shardlm.training.preference import STATS
 
 
 def global_batch(run: Run) -> int:
@@ -88,13 +87,16 @@ class Reporter:
         self.eta, self.timer, self.began = Eta(self.total), StepTimer(), time.time()
         self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
         self.seconds, self.steps, self.targets = 0.0, 0, 0
+        self.stats: torch.Tensor | None = None  # preference statistics since the last record (STATS order)
         self.last_val: dict[str, Any] | None = None
         self.held_out = 0
 
-    def step_done(self, loss_sum: torch.Tensor, targets: int | None = None) -> None:
+    def step_done(self, loss_sum: torch.Tensor, targets: int | None = None, stats: torch.Tensor | None = None) -> None:
         """After each optimizer step: its time (since the last step or `resume_clock`), its loss and the step's
-        global target count (text: every token)."""
+        global target count (text: every token; preference: pairs), and a preference step's statistic sums."""
         self.loss_sum += loss_sum.double()
+        if stats is not None:
+            self.stats = stats.double() if self.stats is None else self.stats + stats.double()
         self.targets += self.tokens_per_step if targets is None else targets
         seconds = self.timer.lap()
         self.eta.add_step(seconds)
@@ -120,6 +122,10 @@ class Reporter:
         A mixture's record also has `tokens_by_source`, the tokens seen from each source (they add up to `tokens`)."""
         self.dist.all_reduce_sum(self.loss_sum)
         loss = (self.loss_sum[0] / max(self.targets, 1)).item()
+        pref = {}
+        if self.stats is not None:  # per pair, over every rank: rewards/chosen, ...
+            pref = dict(zip(STATS, (self.dist.all_reduce_sum(self.stats) / max(self.targets, 1)).tolist(), strict=True))
+            self.stats = None
         target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
         mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.data_parallel) if self.peak_flops else None
@@ -128,7 +134,7 @@ class Reporter:
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
                         "peak_mem_gb": peak_mem / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
-                        **({"target_fraction": target_fraction} if target_fraction < 1 else {}),
+                        **({"target_fraction": target_fraction} if target_fraction < 1 and not pref else {}), **pref,
                         **gpu_utilization(self.device),
                         **({"xla_compilations": xla.compilations()} if self.device.type == "xla" else {}),
                         **({"tokens_by_source": tokens_by_source} if tokens_by_source is not None else {})})

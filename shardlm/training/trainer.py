@@ -36,6 +36,7 @@ from shardlm.observe.hardware import peak_flops
 from shardlm.observe.metrics import eval_summary
 from shardlm.training import reporting
 from shardlm.training.build import Run, build
+from shardlm.training.preference import STATS, Preference, chosen_targets, pair_rows, prepare_reference
 from shardlm.training.schedule import ScheduleState
 
 
@@ -65,6 +66,7 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
+        self.preference = Preference(self.cfg, self.device) if t.objective != "sft" else None
         self.checkpointer = Checkpointer(
             run.cfg, run.dist, checkpoints_dir(run.out_dir), stateful_parts(run, self), hf_config=run.hf_config,
             tokenizer=run.tokenizer, on_saved=self._saved) if checkpoint else None
@@ -170,7 +172,7 @@ class Trainer:
         The loss is divided by the step's global target count over the ranks that average gradients: the mean
         over every target of the optimizer step (`step_targets`); by default a text step's count."""
         with self.autocast():
-            loss_sum, _ = self.model(*batch)
+            loss_sum, _ = self.model(batch.inputs, batch.targets, batch.positions)
         denominator = per_rank_targets or batch.inputs.shape[0] * self.seq_len * self.accum
         loss = loss_sum / denominator
         (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -198,12 +200,16 @@ class Trainer:
         opt = self.run.optimizer
         lr = float(opt.param_groups[0]["lr"])
         loss_sum = torch.zeros((), device=self.device)
-        targets = self.step_targets()
-        per_rank = targets * self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
-        for m in range(self.accum):
-            batch = self._train_batch(m)
-            set_gradient_sync(self.model, m == self.accum - 1)
-            loss_sum += self.forward_backward_step(batch, per_rank)
+        stats = None
+        if self.preference is not None:
+            targets, loss_sum, stats = self._preference_micro_steps()
+        else:
+            targets = self.step_targets()
+            per_rank = targets * self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
+            for m in range(self.accum):
+                batch = self._train_batch(m)
+                set_gradient_sync(self.model, m == self.accum - 1)
+                loss_sum += self.forward_backward_step(batch, per_rank)
         if self.scaler:
             self.scaler.unscale_(opt)
         grad_norm = self._grad_norm()
@@ -225,7 +231,31 @@ class Trainer:
             self.run.scheduler.step()
         self.step += 1
         self.position += self.global_batch
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite, "lr": lr, "targets": targets}
+        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite, "lr": lr, "targets": targets,
+                "stats": stats}
+
+    def _preference_micro_steps(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A preference step's micro-batches: (global pairs, this rank's loss sum as pairs x loss, stat sums)."""
+        assert self.preference is not None
+        rows = pair_rows(self.run.train, "training")
+        if self.preference.needs_reference and not self.preference.reference:
+            self.preference.reference = prepare_reference(self)
+            self.model.train()
+        step_rows = self.sampler.indices(self.position, self.global_batch)
+        pairs, chosen = max(1, rows.units(step_rows)), max(1, chosen_targets(rows, step_rows))
+        share = self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
+        loss_sum = torch.zeros((), device=self.device)
+        stats = torch.zeros(len(STATS), device=self.device)
+        for m in range(self.accum):
+            batch = self._train_batch(m)
+            set_gradient_sync(self.model, m == self.accum - 1)
+            with self.autocast():
+                pair_sum, nll, batch_stats, _ = self.preference.loss(self.model, batch, "train")
+            loss = pair_sum / (pairs * share) + nll / (chosen * share)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += (pair_sum + nll * pairs / chosen).detach()
+            stats += batch_stats.detach()
+        return pairs, loss_sum, stats
 
     def _check_finite(self, result: StepResult) -> None:
         if result["finite"]:
@@ -241,6 +271,8 @@ class Trainer:
     # ---- evaluation ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
+        if self.preference is not None:
+            return self._evaluate_pairs()
         self.model.eval()
         val, shares = self.run.val, eval_shares(len(self.run.val), self.dist.rank, self.dist.world_size,
                                                  self.batch, self.cfg.train.eval_batches)
@@ -257,6 +289,36 @@ class Trainer:
         self.dist.all_reduce_sum(sums)
         return eval_summary(*sums.tolist())
 
+    @torch.no_grad()
+    def _evaluate_pairs(self) -> dict[str, Any]:
+        """The preference loss and statistics over the validation pairs (padding rows weigh nothing)."""
+        assert self.preference is not None
+        rows = pair_rows(self.run.val, "validation")
+        if self.preference.needs_reference and not self.preference.reference:
+            self.preference.reference = prepare_reference(self)
+        self.model.eval()
+        sums = torch.zeros(3 + len(STATS), device=self.device, dtype=torch.float64)  # pair loss, nll, pairs, stats
+        chosen = scored = 0
+        for indices in eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch,
+                                   self.cfg.train.eval_batches):
+            valid = indices >= 0
+            real = np.where(valid, indices, 0)
+            weights = torch.from_numpy(np.repeat(valid, [len(rows.rows[r]) for r in real]).astype(np.float32))
+            chosen += chosen_targets(rows, indices[valid])
+            scored += rows.targets(indices[valid])
+            with self.autocast():
+                pair_sum, nll, stats, n = self.preference.loss(self.model, self._batch(rows, real), "val",
+                                                               weights.to(self.device))
+            sums += torch.cat([torch.stack([pair_sum, nll, n]), stats]).double()
+        counts = torch.tensor([float(scored), float(chosen)], device=self.device, dtype=torch.float64)
+        totals = self.dist.all_reduce_sum(torch.cat([sums, counts]))
+        pairs, chosen_tokens = max(totals[2].item(), 1.0), max(totals[-1].item(), 1.0)
+        loss = totals[0].item() / pairs + totals[1].item() / chosen_tokens
+        out = {k: totals[3 + i].item() / pairs for i, k in enumerate(STATS)}
+        chosen_ppl = math.exp(min(-totals[7].item() / chosen_tokens, 50.0))  # logps/chosen summed, per token
+        return {"loss": loss, "ppl": chosen_ppl, "accuracy": out["rewards/accuracy"], "pairs": int(pairs),
+                "tokens": int(totals[-2].item()), **out}
+
     # ---- the run -------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """step -> maybe log -> maybe evaluate -> maybe save; the final evaluation unless stopped by a signal."""
@@ -266,7 +328,7 @@ class Trainer:
         with ck.catch_signals() if ck else contextlib.nullcontext():
             while self.step < total and not self.stop_requested:
                 result = self.train_step()
-                report.step_done(result["loss_sum"], result["targets"])
+                report.step_done(result["loss_sum"], result["targets"], result.get("stats"))
                 self.callbacks.on_step_end(self, result)
                 self._check_finite(result)
                 if self.step % t.log_every == 0 or self.step == total:

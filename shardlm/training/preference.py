@@ -1,0 +1,145 @@
+"""Preference objectives in the loop (`train.objective`: dpo, ipo, simpo, orpo) and their reference model.
+
+A micro-batch holds whole pairs: both sequences of a pair in one row (shardlm.data.packing), one forward for
+both. The model gives each sequence's summed answer log-probability; shardlm.models.preference turns them into
+per-pair losses. The step's loss is the sum over its pairs divided once by the global pair count (ORPO adds the
+chosen answers' token-mean cross-entropy, divided by the global chosen-token count), so 2 ranks x 4 pairs train
+what 1 x 8 trains.
+
+The reference (dpo, ipo) costs no second model: before the first step, the initial model (with LoRA, its
+adapters are zero there: the base itself) scores every answer of the training and validation pairs once, each
+rank a share, and the log-probabilities are stored beside the example cache as `reference-KEY.npy`, KEY the
+initial model's identity (the base's file hashes, or a scratch model's config and seed). A resumed run reads
+them back; if the base changed they are not found, and the run says so instead of training against another
+reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardlm import ShardlmError
+from shardlm.checkpoint.provenance import arch_of, base_identity
+from shardlm.data import Batch, ExampleRows, MixtureBlocks, eval_shares
+from shardlm.models.preference import REFERENCE_FREE, pair_losses
+
+STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected")
+
+
+def pair_rows(blocks, what: str) -> ExampleRows:
+    """The preference rows of a split, or a clear error: preference objectives train on pairs only."""
+    if isinstance(blocks, ExampleRows) and blocks.group == 2:
+        return blocks
+    kind = "a mixture" if isinstance(blocks, MixtureBlocks) else "examples" if isinstance(blocks, ExampleRows) \
+        else "text"
+    raise ShardlmError(f"train.objective=dpo/ipo/simpo/orpo trains on preference pairs ({{'prompt', 'chosen', "
+                       f"'rejected'}} records); the {what} data is {kind}. Give pairs, or train.objective=sft.")
+
+
+class Preference:
+    """The objective of a run on pairs: per-micro-batch losses and statistics, and the reference's values."""
+
+    def __init__(self, cfg, device: torch.device):
+        self.objective, self.p, self.device = cfg.train.objective, cfg.preference, device
+        self.needs_reference = self.objective not in REFERENCE_FREE
+        self.reference: dict[str, torch.Tensor] = {}  # split -> (units, 2) log-probabilities
+
+    def loss(self, model, batch: Batch, split: str, weights: torch.Tensor | None = None):
+        """(sum of pair losses, sum of chosen answers' token NLL (ORPO; else 0), statistics sums [6], pairs)."""
+        assert batch.segments is not None and batch.units is not None
+        n = len(batch.units)
+        logps, counts = model(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * n)
+        chosen, rejected = logps[0::2], logps[1::2]
+        ref = self.reference[split][batch.units] if self.needs_reference else None
+        out = pair_losses(self.objective, chosen, rejected, counts[0::2], counts[1::2],
+                          None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
+                          self.p.beta, self.p.label_smoothing, self.p.gamma)
+        w = torch.ones(n, device=chosen.device) if weights is None else weights
+        cr, rr = out.chosen_rewards, out.rejected_rewards
+        stats = torch.stack([(cr * w).sum(), (rr * w).sum(), ((cr > rr).float() * w).sum(), ((cr - rr) * w).sum(),
+                             (chosen.detach() * w).sum(), (rejected.detach() * w).sum()])
+        nll = -(chosen * w).sum() if self.objective == "orpo" else torch.zeros((), device=chosen.device)
+        return (out.losses * w).sum(), nll, stats, w.sum()
+
+
+def check_objective(cfg, train, val) -> None:
+    """Pairs need a preference objective and a preference objective needs pairs, in both splits."""
+    if cfg.train.objective != "sft":
+        pair_rows(train, "training")
+        pair_rows(val, "validation")
+        return
+    if any(isinstance(b, ExampleRows) and b.group == 2 for b in (train, val)):
+        raise ShardlmError("the data holds preference pairs (chosen/rejected), which train.objective=sft does not "
+                           "train on: set train.objective to dpo, ipo, simpo or orpo.")
+
+
+def chosen_targets(rows: ExampleRows, indices: np.ndarray) -> int:
+    """Target tokens of the chosen answers in these rows (ORPO's cross-entropy is their mean)."""
+    return int(sum(rows.unit_targets[rows.rows[r], 0].sum() for r in np.asarray(indices, dtype=np.int64)))
+
+
+def reference_key(run) -> str:
+    """The initial model's identity: a pretrained base's files, or a scratch model's config and seed."""
+    m = run.cfg.model
+    ident: Any = base_identity(m.name).get("weights_sha256") if m.name else \
+        {"scratch": arch_of(run.hf_config), "seed": run.cfg.train.seed}
+    blob = json.dumps([ident, m.name, run.cfg.parallel.precision], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def score_all(model, rows: ExampleRows, dist, batch: int, autocast) -> np.ndarray:
+    """Every answer's log-probability under `model`: (units of the example set, 2), each rank a share of rows."""
+    out = torch.zeros((len(rows.examples), 2), dtype=torch.float64, device=dist.device)
+    model.eval()
+    for indices in eval_shares(len(rows), dist.rank, dist.world_size, batch, 0):
+        valid = indices >= 0
+        b = rows.batch(np.where(valid, indices, 0)).to(dist.device)
+        assert b.units is not None
+        with autocast():
+            logps, _ = model(b.inputs, b.targets, b.positions, b.segments, 2 * len(b.units))
+        keep = torch.from_numpy(np.repeat(valid, [len(rows.rows[r]) for r in np.where(valid, indices, 0)]))
+        units = b.units[keep.to(b.units.device)]
+        out[units] = logps.view(-1, 2)[keep.to(logps.device)].double()
+    dist.all_reduce_sum(out)
+    return out.cpu().numpy()
+
+
+def prepare_reference(trainer) -> dict[str, torch.Tensor]:
+    """The reference's log-probabilities of the training and validation pairs: read from beside the cache, or
+    (before the first step) computed with the initial model and stored there."""
+    run, dist = trainer.run, trainer.dist
+    key = reference_key(run)
+    arrays: dict[str, torch.Tensor] = {}
+    for split, blocks in (("train", run.train), ("val", run.val)):
+        rows = pair_rows(blocks, "training" if split == "train" else "validation")
+        if split == "val" and rows.examples is run.train.examples:  # the held-out tail of the same pairs
+            arrays[split] = arrays["train"]
+            continue
+        folder = rows.examples.meta.get("folder")
+        path = Path(folder) / f"reference-{key}.npy" if folder else None
+        if path is not None and path.is_file():
+            values = np.load(path)
+        elif trainer.step > 0:
+            raise ShardlmError(
+                f"the reference log-probabilities of this run ({path.name if path else 'in memory'}) are missing: the "
+                "base model changed since the run started, or the token cache was cleared. The reference is the "
+                "model this run started from; start over with checkpoint.resume=none (or a new out_dir).")
+        else:
+            dist.print(f"reference: scoring the {len(rows.examples):,} pairs of {rows.examples.meta['source']} with "
+                       "the initial model (once; stored beside the example cache)")
+            values = score_all(run.model, rows, dist, trainer.batch, trainer.autocast)
+            if path is not None and dist.is_main:
+                tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+                np.save(tmp, values)
+                tmp.rename(path)
+            dist.barrier()
+        arrays[split] = torch.from_numpy(values).float().to(dist.device)
+    return arrays
