@@ -54,3 +54,130 @@ def test_orpo_is_trls():
     got = pair_losses("orpo", CHOSEN, REJECTED, LEN_C, LEN_R, beta=0.25)
     assert torch.allclose(got.losses, -losses)  # TRL subtracts its term from the NLL; shardlm adds the negation
     assert torch.allclose(got.chosen_rewards, chosen_rewards) and torch.allclose(got.rejected_rewards, rejected_rewards)
+
+
+# ---- training on pairs ------------------------------------------------------------------------------------------
+import json  # noqa: E402
+import random  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from faults import fault  # noqa: E402
+
+from helpers import by_step, records, shardlm_cli, tiny  # noqa: E402
+from shardlm import ShardlmError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    """Conversational pairs (right vs wrong reversal) of uneven lengths, and a few text pairs' worth of variety."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    lines = []
+    for _ in range(120):
+        word = "".join(rng.choice("abcdef") for _ in range(rng.randint(2, 7)))
+        lines.append(json.dumps({"prompt": [{"role": "user", "content": f"Reverse: {word}"}],
+                                 "chosen": [{"role": "assistant", "content": word[::-1]}],
+                                 "rejected": [{"role": "assistant", "content": word + "x"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def pair_args(pairs_file, cache_dir, out, **extra):
+    return ["train", *tiny(pairs_file, cache_dir, out, **{"model.chat_template": "chatml", "data.seq_len": 64,
+                                                          "model.n_positions": 64, "train.objective": "dpo",
+                                                          "train.max_steps": 6, "preference.beta": 0.5, **extra})]
+
+
+@pytest.fixture(scope="module")
+def dpo_one(pairs_file, cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo_one")
+    shardlm_cli(pair_args(pairs_file, cache_dir, out, **{"train.batch_size": 4, "train.eval_every": 3}))
+    return out
+
+
+def test_dpo_two_ranks_train_what_one_process_trains_and_report_rewards(dpo_one, pairs_file, cache_dir, tmp_path):
+    shardlm_cli(pair_args(pairs_file, cache_dir, tmp_path, **{"train.batch_size": 1, "train.grad_accum": 2,
+                                                              "train.eval_every": 3}), nproc=2)
+    got, want = records(tmp_path), records(dpo_one)
+    assert len(got) == len(want) == 6
+    assert got[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # the policy is the reference at step 0
+    for a, b in zip(got, want, strict=True):
+        assert (a["loss"], a["grad_norm"], a["rewards/margin"]) == pytest.approx(
+            (b["loss"], b["grad_norm"], b["rewards/margin"]), rel=1e-4, abs=1e-7)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "logps/chosen", "logps/rejected"} <= set(got[-1])
+    val = records(tmp_path, "val")
+    assert [r["loss"] for r in val] == pytest.approx([r["loss"] for r in records(dpo_one, "val")], rel=1e-4)
+    assert got[-1]["loss"] < got[0]["loss"]
+
+
+def test_dpo_resume_is_exact_and_a_lost_reference_is_an_error(dpo_one, pairs_file, cache_dir, tmp_path):
+    args = pair_args(pairs_file, cache_dir, tmp_path, **{"train.batch_size": 4, "train.eval_every": 3,
+                                                         "checkpoint.every": 3})
+    assert shardlm_cli([*args, fault("KillAfterSave(3)")], check=False).returncode != 0
+    shardlm_cli(args)
+    assert by_step(tmp_path) == by_step(dpo_one)  # the stored reference read back: bit for bit
+    refs = list(cache_dir.glob("ex-*/reference-*.npy"))
+    assert refs
+    moved = [r.rename(r.with_suffix(".bak")) for r in refs]
+    try:
+        proc = shardlm_cli([*args, "train.max_steps=8"], check=False)
+        assert proc.returncode == 2 and "the reference log-probabilities of this run" in proc.stderr
+    finally:
+        for r in moved:
+            r.rename(r.with_suffix(".npy"))
+
+
+def test_the_stored_reference_is_the_models_own_log_probabilities(pairs_file, cache_dir, tmp_path):
+    """Packed pairs, sequence ids and the segment sums give what the HF model scores for each answer alone."""
+    from shardlm.config import load_config
+    from shardlm.training.preference import prepare_reference
+    from shardlm.training.trainer import Trainer
+
+    args = pair_args(pairs_file, cache_dir, tmp_path, **{"data.seq_len": 128, "model.n_positions": 128})[1:]
+    trainer = Trainer.from_config(load_config(None, args))
+    assert trainer.run.train.dropped == trainer.run.train.truncated == 0
+    ref = prepare_reference(trainer)["train"].double()
+    hf, examples = trainer.model.hf.eval(), trainer.run.train.examples
+    for pair in (0, 5, 17):
+        for side in (0, 1):
+            ids, mask = examples.example(2 * pair + side)
+            with torch.no_grad():
+                logits = hf(input_ids=torch.from_numpy(ids)[None]).logits[0, :-1].double()
+            logps = torch.log_softmax(logits, -1).gather(1, torch.from_numpy(ids[1:])[:, None]).squeeze(1)
+            assert ref[pair, side].item() == pytest.approx(logps[torch.from_numpy(mask[1:])].sum().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(("record", "message"), [
+    ({"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}]},
+     r"bad\.jsonl:2: a preference example needs 'chosen' and 'rejected'"),
+    ({"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}],
+      "rejected": [{"role": "user", "content": "ho"}, {"role": "assistant", "content": "b"}]},
+     r"bad\.jsonl:2: 'chosen' and 'rejected' differ before their last assistant turn"),
+    ({"prompt": "p", "chosen": "a", "rejected": [{"role": "assistant", "content": "b"}]},
+     r"bad\.jsonl:2: 'chosen' and 'rejected' must both be text or both be lists"),
+])
+def test_bad_pairs_name_the_line(tmp_path, record, message):
+    from shardlm.config import DataConfig
+    from shardlm.data.examples import build_examples
+    from shardlm.data.sources import resolve
+    from shardlm.tokenizer import load_tokenizer, set_chat_template
+
+    good = {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "assistant", "content": "b"}]}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
+    tok = load_tokenizer("bytes")
+    set_chat_template(tok, "chatml")
+    with pytest.raises(ShardlmError, match=message):
+        build_examples(resolve(str(tmp_path / "bad.jsonl")), tok, DataConfig(), tmp_path / "cache", log=print)
+
+
+def test_identical_sides_are_counted_and_sft_on_pairs_is_refused(tmp_path, cache_dir):
+    pair = {"prompt": "Q: 1+1? A:", "chosen": " 2", "rejected": " 2"}
+    (tmp_path / "same.jsonl").write_text((json.dumps(pair) + "\n") * 40)
+    proc = shardlm_cli(["train", *tiny(tmp_path / "same.jsonl", cache_dir, tmp_path / "run", **{
+        "train.objective": "dpo", "train.max_steps": 1, "train.batch_size": 2})], check=False)
+    assert "40 pair(s) of" in proc.stderr + proc.stdout and "have the same chosen and rejected answer" in \
+        proc.stderr + proc.stdout
+    proc = shardlm_cli(["train", *tiny(tmp_path / "same.jsonl", cache_dir, tmp_path / "run2")], check=False)
+    assert proc.returncode == 2 and "train.objective=sft does not train on" in proc.stderr

@@ -168,6 +168,10 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
         tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
+        if any(isinstance(t, ExampleRows) and t.group == 2 for t in tails) and not exact_match:
+            raise ShardlmError("shardlm eval does not score preference pairs yet: a preference run's validation "
+                               "records (loss, rewards/accuracy, rewards/margin, ...) are in its metrics.jsonl. "
+                               "Score answers with --exact-match N and data.val=<conversations>.")
         text = [t for t in tails if not isinstance(t, ExampleRows)]
         if len(text) < len(tails) and stride:
             raise ShardlmError("--stride scores continuations of text; the validation data holds examples. Score "

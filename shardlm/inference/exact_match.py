@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
 from shardlm.data.examples import iter_examples, source_format
-from shardlm.data.formats import Example
+from shardlm.data.formats import Example, Pair
 from shardlm.data.sources import resolve
 from shardlm.inference.generate import generate_batch, pad_id
 from shardlm.tokenizer import end_of_turn_id
@@ -44,6 +45,14 @@ def prompt_and_reference(tok, example: Example) -> tuple[list[int], str]:
     return list(ids), example.messages[last]["content"]
 
 
+def as_example(pair: Pair) -> Example:
+    """A preference pair scored as its prompt and the chosen answer."""
+    if pair.is_chat:
+        prompt, chosen = cast(list, pair.prompt), cast(list, pair.chosen)
+        return Example(messages=prompt + chosen, first_trained=len(prompt))
+    return Example(prompt=str(pair.prompt), completion=str(pair.chosen))
+
+
 def held_out_examples(spec: str, split: str, cfg: DataConfig, tail: float | None, n: int) -> list[Example]:
     """The first `n` examples of a source, or of its held-out tail (the last `tail` fraction) as training
     held it out."""
@@ -52,7 +61,8 @@ def held_out_examples(spec: str, split: str, cfg: DataConfig, tail: float | None
     if fmt == "text":
         raise ShardlmError(f"--exact-match scores answers to prompts; '{spec}' holds text, not prompt/completion or "
                            "chat examples. Point data.val at examples.")
-    examples = [e for _, _, e in iter_examples(source, fmt, variant, where, cfg, []) if isinstance(e, Example)]
+    examples = [e if isinstance(e, Example) else as_example(e)
+                for _, _, e in iter_examples(source, fmt, variant, where, cfg, [])]
     if tail is not None:
         examples = examples[int(len(examples) * (1 - tail)):]
     return examples[:n]

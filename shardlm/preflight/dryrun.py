@@ -62,8 +62,11 @@ def _example_lines(train, tokenizer) -> list[str]:
     lines = describe(train)
     for part in parts:
         if isinstance(part, ExampleRows) and len(part.ids):
-            ids, mask = part.examples.example(int(part.ids[0]))
-            lines.append("first example (the trained tokens between ⟦ ⟧):\n" + show_targets(tokenizer, ids, mask))
+            g = part.group
+            shown = [show_targets(tokenizer, *part.examples.example(int(part.ids[0]) * g + j)) for j in range(g)]
+            what = "first pair (chosen, then rejected; the scored answer tokens" if g == 2 else \
+                "first example (the trained tokens"
+            lines.append(f"{what} between ⟦ ⟧):\n" + "\n".join(shown))
     return lines
 
 
