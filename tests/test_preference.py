@@ -181,3 +181,23 @@ def test_identical_sides_are_counted_and_sft_on_pairs_is_refused(tmp_path, cache
         proc.stderr + proc.stdout
     proc = shardlm_cli(["train", *tiny(tmp_path / "same.jsonl", cache_dir, tmp_path / "run2")], check=False)
     assert proc.returncode == 2 and "train.objective=sft does not train on" in proc.stderr
+
+
+def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path):
+    """With LoRA the reference is the base with the adapters off: at the first step the adapters add nothing, so
+    the precomputed reference of a LoRA run equals the base model's own scores (no second copy of the weights)."""
+    from test_families import make_folder
+
+    from shardlm.config import load_config
+    from shardlm.training.preference import score_all
+    from shardlm.training.trainer import Trainer
+
+    base = make_folder(tmp_path, "llama")
+    scores = []
+    for lora in ({}, {"lora.r": 4, "lora.alpha": 8}):
+        args = pair_args(pairs_file, cache_dir, tmp_path / f"run{len(scores)}", **{
+            "model.name": base, "model.chat_template": "plain", "data.seq_len": 64, **lora})[1:]
+        t = Trainer.from_config(load_config(None, [a for a in args if not a.startswith("model.n_")]))
+        scores.append(score_all(t.model, t.run.train, t.dist, 4, t.autocast))
+    assert np.count_nonzero(scores[0]) > 20
+    assert np.allclose(scores[0], scores[1], rtol=1e-5, atol=1e-5)
