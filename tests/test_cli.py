@@ -72,7 +72,7 @@ def test_failed_or_finished_commands_leave_a_run_folder_as_it_was(corpus, cache_
 
 @pytest.mark.parametrize("arg, message", [
     ("shakespear", "error: config 'shakespear' is neither a file nor a bundled config. Did you mean "
-                   "'shakespeare_tiny'? Pass a YAML file, none, or a bundled config by name: gpt2_124m_openwebtext"),
+                   "'shakespeare_tiny'? Pass a YAML file, none, or a bundled config by name: chat_tiny, "),
     ("nowhere/shakespeare_tiny.yaml", "error: config file 'nowhere/shakespeare_tiny.yaml' not found. Did you mean "
                                       "the bundled 'shakespeare_tiny' (no folder)?"),
 ])
