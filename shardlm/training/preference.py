@@ -86,11 +86,13 @@ def chosen_targets(rows: ExampleRows, indices: np.ndarray) -> int:
 
 
 def reference_key(run) -> str:
-    """The initial model's identity: a pretrained base's files, or a scratch model's config and seed."""
-    m = run.cfg.model
+    """The initial model's identity (a pretrained base's files, or a scratch model's config and seed) and what
+    cuts the answers it scored (each side gets seq_len / 2 tokens: a shorter seq_len scores other sequences)."""
+    m, d = run.cfg.model, run.cfg.data
     ident: Any = base_identity(m.name).get("weights_sha256") if m.name else \
         {"scratch": arch_of(run.hf_config), "seed": run.cfg.train.seed}
-    blob = json.dumps([ident, m.name, run.cfg.parallel.precision], sort_keys=True, default=str)
+    blob = json.dumps([ident, m.name, run.cfg.parallel.precision, d.seq_len, d.truncation], sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
