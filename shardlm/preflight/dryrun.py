@@ -49,8 +49,11 @@ def _data_line(name: str, spec: str | None, default_split: str, d: DataConfig) -
             list(itertools.islice(iter_documents(dataclasses.replace(source, files=(path,)), d.text_field),
                                   PEEK_RECORDS))
     size = sum(p.stat().st_size for p in source.files)
+    line = f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB"
+    if fmt == "text":
+        return line
     how = "data.format" if d.format != "auto" else "detected from its fields"
-    return f"{name}: {len(source.files)} file(s), {size / 1e6:.1f} MB; {fmt} ({variant}, {how})"
+    return f"{line}; {fmt} ({variant}, {how})"
 
 
 def _example_lines(train, tokenizer) -> list[str]:
