@@ -221,19 +221,18 @@ def test_every_reader_gives_the_same_examples(tmp_path):
         assert np.array_equal(got.tokens, built[0].tokens) and np.array_equal(got.labels, built[0].labels)
 
 
-def test_format_choice_text_files_and_preference_pairs_are_clear_errors(tmp_path):
+def test_format_choice_and_text_files_are_clear_errors(tmp_path):
     from shardlm.config import load_config
     from shardlm.data.examples import source_format
     from shardlm.data.formats import detect
 
-    with pytest.raises(ShardlmError, match=r"data.format='chats' is not one of auto, text, completion, chat. Did you "
-                                           r"mean 'chat'\?"):
+    with pytest.raises(ShardlmError, match=r"data.format='chats' is not one of auto, text, completion, chat, "
+                                           r"preference. Did you mean 'chat'\?"):
         load_config(None, ["data.format=chats"])
     (tmp_path / "notes.txt").write_text("just text\n")
     with pytest.raises(ShardlmError, match="data.format=chat but '.*notes.txt' is plain text"):
         source_format(resolve(str(tmp_path / "notes.txt")), DataConfig(format="chat"))
-    with pytest.raises(ShardlmError, match=r"preference pairs \(chosen/rejected\) are not trained"):
-        detect({"prompt": "p", "chosen": "a", "rejected": "b"})
+    assert detect({"prompt": "p", "chosen": "a", "rejected": "b"}) == ("preference", "pairs")
 
 
 def test_chatml_on_a_pretrained_vocabulary_without_room_says_use_plain(hf_folder):
