@@ -21,8 +21,9 @@ def test_prefetched_batches_equal_direct_ones(corpus, cache_dir, tmp_path):
         ahead.position += ahead.global_batch
     ahead.close()
     for plain, prefetched in seen:
-        assert all((a == b).all() for a, b in zip(plain, prefetched, strict=True))
-    assert not (seen[0][0][0] == seen[2][0][0]).all()  # the move really changed the batches
+        assert all((a.inputs == b.inputs).all() and (a.targets == b.targets).all()
+                   for a, b in zip(plain, prefetched, strict=True))
+    assert not (seen[0][0][0].inputs == seen[2][0][0].inputs).all()  # the move really changed the batches
 
 
 @pytest.mark.cuda
