@@ -140,17 +140,19 @@ def stage_throughput(z: Sizes, profile_here: bool = False) -> dict:
             got = mfu_run(z, z.size, z.seq, z.batch, extra, z.steps, z.warmup, torchrun=launch == "torchrun",
                           profile=profile)
             profiled = got.get("profile", profiled)
-            row.update({k: got[k] for k in ("fsdp", "tokens_per_s", "mfu", "peak_mem_gb", "step_s")})
+            row.update({k: got.get(k) for k in ("fsdp", "tokens_per_s", "mfu", "mfu_causal", "peak_mem_gb",
+                                                "step_s")})
             row["ok"] = got["fsdp"] == (launch == "torchrun")  # the torchrun rows are the FSDP2 ones
         except StageError as e:
             row.update(ok=False, error=str(e)[-1500:])
         rows.append(row)
     best = max((r for r in rows if r["ok"]), key=lambda r: r["tokens_per_s"], default=None)
     summary = (f"best {best['tokens_per_s']:,} tokens/s ({best['launch']}, compile={best['compile']}, "
-               f"mfu {best['mfu']})") if best else "no row ran"
+               f"mfu {best['mfu']}, llm.c's {best['mfu_causal']})") if best else "no row ran"
     return {"ok": all(r["ok"] for r in rows), "summary": summary, "model": z.size, "seq": z.seq, "batch": z.batch,
             "precision": z.precision, "rows": rows, "best_tokens_per_s": best and best["tokens_per_s"],
-            "best_mfu": best and best["mfu"], **({"profile": profiled} if profiled else {})}
+            "best_mfu": best and best["mfu"], "best_mfu_causal": best and best["mfu_causal"],
+            **({"profile": profiled} if profiled else {})}
 
 
 def stage_vs_hf(z: Sizes) -> dict:

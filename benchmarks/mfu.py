@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 1 benchmarks/mfu.py --sizes 124M --extra parallel.fsdp=true   # FSDP2 on one GPU
     python benchmarks/mfu.py --sizes 1558M --batch 4 --cap-gb 24 --extra parallel.cpu_offload=true
 MFU = achieved FLOP/s / the device's dense bf16 peak, with FLOPs per token = 6N + 12 L C T (nanoGPT's
-formula; N without position embeddings). On CPU the peak is unknown and MFU is null. `--cap-gb` limits
+formula; N without position embeddings); `mfu_causal` counts attention's causal half, 6 L C T (llm.c's).
+On CPU the peak is unknown and MFU is null. `--cap-gb` limits
 this process's CUDA memory (torch.cuda.set_per_process_memory_fraction), as on a smaller GPU.
 """
 
@@ -61,6 +62,8 @@ def measure(size: str, args) -> dict:
               "world_size": trainer.dist.world_size, "tokens_per_s": round(tps),
               "step_s": round(elapsed / args.steps, 4),
               "mfu": round(trainer.flops_per_token * tps / (peak * trainer.dist.world_size), 4) if peak else None,
+              "mfu_causal": round(trainer.flops_per_token_causal * tps / (peak * trainer.dist.world_size), 4)
+              if peak else None,
               "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if on_gpu else None,
               **({"profile": profiled} if profiled else {})}
     del trainer

@@ -66,7 +66,7 @@ class Checkpointer:
         self.root = root
         self.pending: tuple[Any, Path, Path, int, float] | None = None  # (future, tmp, final, step, began)
         self.signal_received = False
-        self._flag: tuple[torch.Tensor, torch.Tensor] | None = None  # (device, pinned host) on CUDA
+        self._flag: tuple[torch.Tensor, torch.Tensor, torch.cuda.Event] | None = None  # (device, pinned host, copied)
         self.lora = lora.enabled(run_config.lora)
         self._base: dict | None = None  # the LoRA base's identity, computed once
         # An async save's collectives run in DCP's background thread: on the training group they would interleave
@@ -99,9 +99,10 @@ class Checkpointer:
     def should_stop(self) -> bool:
         """Did any rank get SIGTERM/SIGINT? All ranks must agree on the step they stop at.
 
-        On CUDA the agreement costs no host-device sync: each step all-reduces the flag into a pinned host
-        tensor without waiting, and reads the previous step's result, which the step's own grad-norm sync
-        has already completed. Ranks therefore stop one step after the signal, all at the same step.
+        On CUDA the agreement costs no wait on the current step: each step all-reduces the flag into a pinned
+        host tensor without waiting, and reads the previous step's result, waiting for that copy alone (an
+        event; by then the GPU is on this step). Ranks therefore stop one step after the signal, all at the
+        same step.
         """
         if not self.dist.distributed:
             return self.signal_received
@@ -110,12 +111,15 @@ class Checkpointer:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
             return bool(flag.item())
         if self._flag is None:
-            self._flag = (torch.zeros(1, device=self.dist.device), torch.zeros(1).pin_memory())
-        on_device, on_host = self._flag
+            self._flag = (torch.zeros(1, device=self.dist.device), torch.zeros(1).pin_memory(), torch.cuda.Event())
+            self._flag[2].record()
+        on_device, on_host, copied = self._flag
+        copied.synchronize()
         stop = bool(on_host.item())
         on_device.fill_(1.0 if self.signal_received else 0.0)
         torch.distributed.all_reduce(on_device, op=torch.distributed.ReduceOp.MAX)
         on_host.copy_(on_device, non_blocking=True)
+        copied.record()
         return stop
 
     # ---- save ----------------------------------------------------------------------------------------

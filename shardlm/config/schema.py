@@ -98,6 +98,7 @@ class TrainConfig:
     seed: int = 1337  # init, data order and dropout
     loss_chunk_size: int | None = None  # tokens per lm_head/loss chunk; 0 = plain full-logits loss; null = auto
     max_bad_steps: int = 5  # consecutive non-finite losses before the run stops
+    sync_free_step: bool = True  # clip + skip in the fused AdamW, grad norm read a step late: no host wait per step
     sample_tokens: int = 200  # tokens generated at the end of training as a sample; 0 = none
     sample_prompt: str = "\n"  # prompt of that sample
     gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
@@ -120,6 +121,7 @@ class ParallelConfig:
     precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (params/compute; gradients reduce in fp32; fp8 = Hopper+)
     fsdp: bool | None = None  # null = FSDP2 when world size > 1 or cpu_offload; true = also on one rank
     cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)
+    bf16_residual: bool = True  # bf16 without FSDP: the residual stream between blocks in bf16, as FSDP's (false: fp32)
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
     compile: str = "auto"  # model (whole model + loss), blocks (each block), false; auto = model on CUDA, else false
     prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit

@@ -178,6 +178,8 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
         blocks[i] = block
     if pl.use_fsdp:
         shard(model, blocks, cfg.parallel, pl, dist)
+    elif pl.dtype == torch.bfloat16 and cfg.parallel.bf16_residual:
+        blocks[0].register_forward_pre_hook(cast_hidden_states(pl.dtype), with_kwargs=True)
     if pl.compile == "model" and model.loss_chunk_size and dist.device.type == "cuda":
         # torch 2.11 + CUDA: inductor's code for the chunked loss launched a Triton kernel on a CPU buffer
         # (triton_poi_fused_zeros: "Pointer argument cannot be accessed from Triton"). The chunked loss is
@@ -188,6 +190,24 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
     if pl.compile == "model" and not pl.use_fsdp:
         model.compile(dynamic=False)
     return model
+
+
+def cast_hidden_states(dtype: torch.dtype):
+    """A pre-hook for the first block that casts the hidden state entering it to `dtype`.
+
+    Without FSDP, bf16 runs under autocast, which casts matmul inputs but leaves the embeddings, and so the
+    residual stream that every block adds to, in fp32: twice the bytes of each residual add, norm input and
+    saved activation. FSDP's mixed-precision policy runs blocks on bf16 parameters, so its stream is bf16;
+    this gives one process the same (the blocks' adds keep bf16, norms still compute in fp32)."""
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and torch.is_floating_point(args[0]):
+            args = (args[0].to(dtype), *args[1:])
+        elif torch.is_tensor(kwargs.get("hidden_states")):
+            kwargs = {**kwargs, "hidden_states": kwargs["hidden_states"].to(dtype)}
+        return args, kwargs
+
+    return hook
 
 
 def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
@@ -220,20 +240,22 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         sync(enabled)
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
-    """The global gradient norm (a 0-d tensor on `device`), the gradients scaled to at most `max_norm`.
+def grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The global gradient norm, a 0-d fp32 tensor on `device`; nothing is read on the host.
 
-    torch's clip_grad_norm_ over FSDP2's DTensor gradients, computed on the local shards instead: one foreach
-    norm, one all-reduce of a scalar over each mesh dimension that shards (replicas hold equal shards), one
-    foreach multiply. DTensor dispatch costs ~15 us of host time per parameter and op (3.1 vs 0.9 ms for
-    GPT-2's 148 parameters, CPU), which shows wherever the GPU waits on the host. With CPU offload the
-    gradients are on the CPU: the scalar travels to `device`, so NCCL can reduce it."""
+    torch's get_total_norm over FSDP2's DTensor gradients, computed on the local shards instead: one foreach
+    norm, one all-reduce of a scalar over each mesh dimension that shards (replicas hold equal shards).
+    DTensor dispatch costs ~15 us of host time per parameter and op (3.1 vs 0.9 ms for GPT-2's 148
+    parameters, CPU), which shows wherever the GPU waits on the host. With CPU offload the gradients are on
+    the CPU: the scalar travels to `device`, so NCCL can reduce it."""
     from torch.distributed.tensor import DTensor, Shard
 
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [g for g in grads if isinstance(g, DTensor)]
     if not grads or len(sharded) < len(grads):  # FSDP2 shards every parameter: all DTensors or none
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).to(device)
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.nn.utils.get_total_norm(grads).float().to(device)
     total = torch.zeros((), dtype=torch.float32, device=device)
     by_layout: dict[tuple, list[DTensor]] = {}
     for g in sharded:
@@ -245,11 +267,22 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.de
             if isinstance(placement, Shard) and mesh.size(dim) > 1:
                 torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
         total += squares
-    norm = total.sqrt()
+    return total.sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ factor: gradients are scaled by it so their norm is at most `max_norm`."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+    """The global gradient norm (`grad_norm`), the gradients scaled to at most `max_norm` (one foreach multiply)."""
+    norm = grad_norm(params, device)
     if max_norm != float("inf"):
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        local = [g._local_tensor for g in sharded]
-        torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
+        local = [g._local_tensor if hasattr(g, "_local_tensor") else g for p in params if (g := p.grad) is not None]
+        if local:
+            coef = clip_coefficient(norm, max_norm)
+            torch._foreach_mul_(local, coef.to(local[0].device))  # offloaded: a host copy, read right after anyway
     return norm
 
 

@@ -67,6 +67,11 @@ class CausalLM(nn.Module):
         `segments` (preference pairs), instead the summed log-probability of the targets of each of `sequences`
         sequences, and their target counts."""
         kwargs = {} if positions is None else {"position_ids": positions}
+        with one_sequence_per_row(positions is None):
+            return self._forward(tokens, targets, positions, segments, sequences, kwargs)
+
+    def _forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                 segments: torch.Tensor | None, sequences: int, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         if self.full_logits:
             logits = self.hf(input_ids=tokens, use_cache=False, **kwargs).logits
             if segments is not None:
@@ -89,6 +94,41 @@ class CausalLM(nn.Module):
                             bias=getattr(head, "bias", None), with_accuracy=not self.training)
 
 
+class _Rows:
+    whole = False  # True while an eager CausalLM forward runs rows that are one sequence each (text blocks)
+
+
+@contextlib.contextmanager
+def one_sequence_per_row(whole: bool):
+    """Tell transformers' mask builder, in eager forwards, that each row is one sequence (see `skip_packing_probe`)."""
+    if torch.compiler.is_compiling():  # traced, transformers skips the probe itself
+        yield
+        return
+    before, _Rows.whole = _Rows.whole, whole
+    try:
+        yield
+    finally:
+        _Rows.whole = before
+
+
+def skip_packing_probe() -> None:
+    """transformers' mask builder asks the device whether position ids restart within a row (packed
+    sequences), and waits for the answer: one host sync per eager forward (FSDP2's outer forward is eager). On
+    text blocks shardlm knows the answer is no, so that question returns "no" at once; packed examples
+    (positions given) and every other caller still get transformers' own."""
+    import transformers.masking_utils as masking
+
+    original = masking.find_packed_sequence_indices
+    if getattr(original, "shardlm", False):
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if _Rows.whole and not torch.compiler.is_compiling() else original(position_ids)
+
+    find_packed_sequence_indices.shardlm = True  # type: ignore[attr-defined]
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+
+
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor,
                    sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability of each sequence's targets, their counts), in fp32 like the loss."""
@@ -101,21 +141,23 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, segments: torch.
 
 
 def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int, device: torch.device,
-                    compiled: bool = False) -> int:
-    """`train.loss_chunk_size`, with null resolved by the size of a micro-batch's fp32 logits.
+                    compiled: bool = False, itemsize: int = 4) -> int:
+    """`train.loss_chunk_size`, with null resolved by the size of a micro-batch's logits.
 
     Chunking keeps one chunk's logits instead of all of them, but costs a Python loop and per-chunk
-    launches, which on small models are the whole step. Compiled on CUDA, inductor fuses the plain loss
-    (no fp32 copies): measured on an H100 (GPT-2 124M, batch 16 x 1024) it was faster than chunks of
-    1024 (+11%) or 4096 (+5%) and no larger, so it is kept up to 8 GiB of logits, then chunks of 4096.
-    Eager, the plain loss holds fp32 logits, log-softmax and gradient: chunked above 1 GiB (64 MiB on CPU).
+    launches, which on small models are the whole step. Compiled on CUDA, inductor fuses the plain loss: it
+    holds the logits in the compute dtype (`itemsize` bytes: 2 in bf16) and no fp32 copies. Measured on an
+    H100 (GPT-2 124M, batch 16 x 1024) it was faster than chunks of 1024 (+11%) or 4096 (+5%) and no
+    larger, so it is kept up to 8 GiB of those logits (bf16: micro-batch 80 of GPT-2 at 1024), then chunks of
+    4096, which run eager. Eager, the plain loss holds fp32 logits, log-softmax and gradient: chunked above
+    1 GiB of fp32 logits (64 MiB on CPU).
     """
     if configured is not None:
         return configured
-    logits = batch * seq_len * vocab * 4
+    tokens = batch * seq_len * vocab
     if compiled and device.type == "cuda":
-        return 0 if logits <= 8 * 2**30 else 4096
-    return 0 if logits <= (2**30 if device.type in ("cuda", "xla") else 64 * 2**20) else 1024
+        return 0 if tokens * itemsize <= 8 * 2**30 else 4096
+    return 0 if tokens * 4 <= (2**30 if device.type in ("cuda", "xla") else 64 * 2**20) else 1024
 
 
 def transformer_blocks(hf_model: nn.Module) -> nn.ModuleList:
@@ -300,6 +342,7 @@ def attention(hf_cfg) -> str:
         return "eager"
     if getattr(hf_cfg, "model_type", None) not in TESTED_FAMILIES:
         return "sdpa"
+    skip_packing_probe()
     AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
     AttentionMaskInterface.register(CAUSAL_SDPA, causal_sdpa_mask)
     return CAUSAL_SDPA

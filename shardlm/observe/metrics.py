@@ -11,9 +11,11 @@ from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file
 
 
-def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int) -> float:
-    """nanoGPT/PaLM estimate: 6N for the matmuls, 12*L*H*Q*T (= 12*L*C*T) for attention."""
-    return 6 * n_params + 12 * n_layer * n_embd * seq_len
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int, causal: bool = False) -> float:
+    """nanoGPT/PaLM estimate: 6N for the matmuls, 12*L*H*Q*T (= 12*L*C*T) for attention. `causal`: llm.c's
+    convention, which counts only the causal half of the attention scores (6*L*C*T): the same run reads a few
+    points lower in MFU at GPT-2 sizes, and comparisons must use one convention on both sides."""
+    return 6 * n_params + (6 if causal else 12) * n_layer * n_embd * seq_len
 
 
 def eval_summary(loss_sum: float, correct: float, tokens: float) -> dict[str, float]:

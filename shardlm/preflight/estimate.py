@@ -145,7 +145,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     compiled = compile_mode(p.compile, device) == "model"
     transform = logit_transform(hf_cfg)
     full_logits = transform is not None or meta.get_output_embeddings() is None  # as CausalLM decides
-    chunk = 0 if full_logits else auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled)
+    chunk = 0 if full_logits else auto_loss_chunk(cfg.train.loss_chunk_size, B, T, V, device, compiled=compiled,
+                                                    itemsize=csize)
     if chunk:  # the head's weight gradient only where the head trains (LoRA freezes it)
         rows, head = min(chunk, tokens), meta.get_output_embeddings()
         head_grad = V * C * 4 if head is not None and head.weight.requires_grad else 0

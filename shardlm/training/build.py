@@ -102,7 +102,7 @@ def _initial_hf(cfg: Config, hf_cfg, device: torch.device | None = None) -> nn.M
 def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
     """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.models.lora): only they train."""
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
-                            dist.device, compiled=pl.compile == "model")
+                            dist.device, compiled=pl.compile == "model", itemsize=pl.dtype.itemsize)
     if pl.use_fsdp:
         hf = empty_model(hf_cfg, "meta")
         model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg.lora) else hf, chunk)

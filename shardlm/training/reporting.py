@@ -33,12 +33,13 @@ def global_batch(run: Run) -> int:
     return run.dist.data_parallel * run.cfg.train.batch_size * run.cfg.train.grad_accum
 
 
-def model_flops_per_token(run: Run) -> float:
-    """nanoGPT's estimate; its N leaves out the position embeddings (a lookup, no matmul)."""
+def model_flops_per_token(run: Run, causal: bool = False) -> float:
+    """nanoGPT's estimate (`causal`: llm.c's); its N leaves out the position embeddings (a lookup, no matmul)."""
     hf = run.hf_config
     layers = getattr(hf, "n_layer", getattr(hf, "num_hidden_layers", 0))
     width = getattr(hf, "n_embd", getattr(hf, "hidden_size", 0))
-    return flops_per_token(num_params(run.model, exclude_embeddings=True), layers, width, run.cfg.data.seq_len)
+    return flops_per_token(num_params(run.model, exclude_embeddings=True), layers, width, run.cfg.data.seq_len,
+                           causal)
 
 
 def _params(run: Run) -> str:
@@ -81,6 +82,7 @@ class Reporter:
         self.total, self.first_step, self.save_every = run.total_steps, first_step, save_every
         self.tokens_per_step = global_batch(run) * cfg.data.seq_len
         self.flops_per_token, self.peak_flops = model_flops_per_token(run), peak_flops(d.device)
+        self.causal_share = model_flops_per_token(run, causal=True) / self.flops_per_token  # llm.c's MFU / ours
         self.log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main, cfg=cfg)
         d.print(run_header(run))
         self.progress = Progress(self.total, cfg.log.progress, d.is_main, initial=first_step)
@@ -132,6 +134,7 @@ class Reporter:
         peak_mem = peak_memory_bytes(self.device)
         self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
+                        "mfu_causal": mfu * self.causal_share if mfu is not None else None,
                         "peak_mem_gb": peak_mem / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
                         **({"target_fraction": target_fraction} if target_fraction < 1 and not pref else {}), **pref,

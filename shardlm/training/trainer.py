@@ -28,7 +28,7 @@ from shardlm.config import Config
 from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, eval_shares, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.distributed import xla
-from shardlm.distributed.parallelize import clip_grad_norm, set_gradient_sync
+from shardlm.distributed.parallelize import clip_grad_norm, grad_norm, set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.fp8 import after_optimizer_step
@@ -38,6 +38,7 @@ from shardlm.training import reporting
 from shardlm.training.build import Run, build
 from shardlm.training.preference import STATS, Preference, chosen_targets, pair_rows, prepare_reference
 from shardlm.training.schedule import ScheduleState
+from shardlm.training.update import LateRead, fused_clip_step, supports_sync_free
 
 
 class Trainer:
@@ -67,6 +68,11 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
         self.preference = Preference(self.cfg, self.device) if t.objective != "sft" else None
+        # The step's gradient norm is read on the host one step late (training.update); CPU offload reads it
+        # on the host anyway, and fp16's GradScaler owns grad_scale / found_inf.
+        self.sync_free = (t.sync_free_step and self.scaler is None and not self.cfg.parallel.cpu_offload
+                          and supports_sync_free(run.optimizer))
+        self._pending: tuple[LateRead, StepResult, int] | None = None  # a step whose norm the host has not read
         self.checkpointer = Checkpointer(
             run.cfg, run.dist, checkpoints_dir(run.out_dir), stateful_parts(run, self), hf_config=run.hf_config,
             tokenizer=run.tokenizer, on_saved=self._saved) if checkpoint else None
@@ -117,6 +123,11 @@ class Trainer:
     @property
     def flops_per_token(self) -> float:
         return reporting.model_flops_per_token(self.run)
+
+    @property
+    def flops_per_token_causal(self) -> float:
+        """llm.c's convention: attention counted for its causal half."""
+        return reporting.model_flops_per_token(self.run, causal=True)
 
     @property
     def peak_flops(self) -> float | None:
@@ -198,7 +209,6 @@ class Trainer:
         if not self.model.training:  # train() walks every module: not per step
             self.model.train()
         opt = self.run.optimizer
-        lr = float(opt.param_groups[0]["lr"])
         loss_sum = torch.zeros((), device=self.device)
         stats = None
         if self.preference is not None:
@@ -210,29 +220,60 @@ class Trainer:
                 batch = self._train_batch(m)
                 set_gradient_sync(self.model, m == self.accum - 1)
                 loss_sum += self.forward_backward_step(batch, per_rank)
-        if self.scaler:
-            self.scaler.unscale_(opt)
-        grad_norm = self._grad_norm()
-        finite = math.isfinite(grad_norm)
-        if self.scaler:  # the scaler skips non-finite steps itself and lowers its scale
-            self.scaler.step(opt)
-            self.scaler.update()
-        elif finite:
-            opt.step()
-            if self.fp8:
+        self.settle()  # the previous step, read now that this one's forward and backward are queued
+        lr = float(opt.param_groups[0]["lr"])
+        result: StepResult = {"loss_sum": loss_sum, "grad_norm": math.nan, "finite": True, "lr": lr,
+                              "targets": targets, "stats": stats}
+        if self.sync_free:
+            norm = grad_norm(self.params, self.device)
+            fused_clip_step(opt, norm, self.cfg.train.grad_clip)
+            if self.fp8:  # after a skipped update the weights, and so their scales, are unchanged
                 after_optimizer_step(self.model)
+            self._pending = (LateRead(norm), result, self.step + 1)
+        else:
+            self._sync_update(opt, result)
         opt.zero_grad(set_to_none=True)
         if self.xla:  # the optimizer step as a second graph
             xla.sync()
-        applied = finite or self.scaler is not None
+        self.step += 1
+        self.position += self.global_batch
+        if not self.sync_free:
+            self._account(result, self.step)
+        return result
+
+    def _sync_update(self, opt: torch.optim.Optimizer, result: StepResult) -> None:
+        """Clip and step with the norm read on the host now (fp16's GradScaler, XLA, offload, non-fused)."""
+        if self.scaler:
+            self.scaler.unscale_(opt)
+        result["grad_norm"] = self._grad_norm()
+        result["finite"] = math.isfinite(result["grad_norm"])
+        if self.scaler:  # the scaler skips non-finite steps itself and lowers its scale
+            self.scaler.step(opt)
+            self.scaler.update()
+        elif result["finite"]:
+            opt.step()
+            if self.fp8:
+                after_optimizer_step(self.model)
+
+    def settle(self) -> None:
+        """Read the last step's gradient norm (it waits for that step alone) and do its host bookkeeping; a
+        no-op once read. The record, callbacks and checkpoints call it; train_step before the next update."""
+        if self._pending is None:
+            return
+        late, result, step = self._pending
+        self._pending = None
+        result["grad_norm"] = late.value()
+        result["finite"] = math.isfinite(result["grad_norm"])
+        self._account(result, step)
+
+    def _account(self, result: StepResult, step: int) -> None:
+        """A step's host bookkeeping once its norm is known: skip count, schedule, stop after too many bad steps."""
+        applied = result["finite"] or self.scaler is not None  # the scaler skips non-finite steps itself
         self.bad_steps = 0 if applied else self.bad_steps + 1
         self.skipped_steps += 0 if applied else 1
         if applied:
             self.run.scheduler.step()
-        self.step += 1
-        self.position += self.global_batch
-        return {"loss_sum": loss_sum, "grad_norm": grad_norm, "finite": finite, "lr": lr, "targets": targets,
-                "stats": stats}
+        self._check_finite(result, step)
 
     def _preference_micro_steps(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """A preference step's micro-batches: (global pairs, this rank's loss sum as pairs x loss, stat sums)."""
@@ -257,14 +298,14 @@ class Trainer:
             stats += batch_stats.detach()
         return pairs, loss_sum, stats
 
-    def _check_finite(self, result: StepResult) -> None:
+    def _check_finite(self, result: StepResult, step: int) -> None:
         if result["finite"]:
             return
-        self.dist.print(f"step {self.step}: non-finite loss/gradient, update skipped "
+        self.dist.print(f"step {step}: non-finite loss/gradient, update skipped "
                         f"({self.bad_steps} in a row, {self.skipped_steps} in all)")
         if self.bad_steps >= self.cfg.train.max_bad_steps:
             raise ShardlmError(
-                f"{self.bad_steps} consecutive steps had a non-finite loss (last at step {self.step}); "
+                f"{self.bad_steps} consecutive steps had a non-finite loss (last at step {step}); "
                 "stopping. Lower train.lr, use parallel.precision=bf16/fp32, or raise "
                 "train.max_bad_steps. The last good checkpoint is kept.")
 
@@ -329,9 +370,11 @@ class Trainer:
             while self.step < total and not self.stop_requested:
                 result = self.train_step()
                 report.step_done(result["loss_sum"], result["targets"], result.get("stats"))
+                log_due = self.step % t.log_every == 0 or self.step == total
+                if log_due or self.callbacks.callbacks:  # they read the step's norm: the host waits for it
+                    self.settle()
                 self.callbacks.on_step_end(self, result)
-                self._check_finite(result)
-                if self.step % t.log_every == 0 or self.step == total:
+                if log_due:
                     report.log_train(self.step, lr=result["lr"],
                                      grad_norm=result["grad_norm"], tokens=self.position * self.seq_len,
                                      skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source())
@@ -339,6 +382,7 @@ class Trainer:
                     self._evaluate(report)
                 self._maybe_save(report)
                 report.resume_clock()
+            self.settle()
             if not self.stop_requested:
                 self._evaluate(report)
             self.close()
@@ -361,6 +405,7 @@ class Trainer:
         signalled = self.checkpointer.should_stop()
         self.stop_requested = self.stop_requested or signalled
         if self.stop_requested or self.checkpointer.due(self.step, self.run.total_steps):
+            self.settle()  # the schedule and the skip counts the checkpoint keeps
             with report.timed("save"):
                 self.checkpointer.save(self.step)
 
