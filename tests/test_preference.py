@@ -148,6 +148,18 @@ def test_the_stored_reference_is_the_models_own_log_probabilities(pairs_file, ca
             assert ref[pair, side].item() == pytest.approx(logps[torch.from_numpy(mask[1:])].sum().item(), rel=1e-5)
 
 
+def test_a_validation_tail_is_scored_by_the_reference_too(pairs_file, cache_dir, tmp_path):
+    """Validation held out of the training pairs shares their reference file. At step 0 the policy is the
+    reference: the validation loss is log 2 and every reward 0 (a zero reference for the tail would not be)."""
+    from shardlm.config import load_config
+    from shardlm.training.trainer import Trainer
+
+    trainer = Trainer.from_config(load_config(None, pair_args(pairs_file, cache_dir, tmp_path)[1:]))
+    got = trainer.evaluate()
+    assert got["pairs"] > 0 and got["loss"] == pytest.approx(np.log(2), rel=1e-6)
+    assert got["rewards/chosen"] == got["rewards/rejected"] == got["rewards/margin"] == 0
+
+
 @pytest.mark.parametrize(("record", "message"), [
     ({"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}]},
      r"bad\.jsonl:2: a preference example needs 'chosen' and 'rejected'"),

@@ -116,32 +116,55 @@ def score_all(model, rows: ExampleRows, dist, batch: int, autocast) -> np.ndarra
 
 def prepare_reference(trainer) -> dict[str, torch.Tensor]:
     """The reference's log-probabilities of the training and validation pairs: read from beside the cache, or
-    (before the first step) computed with the initial model and stored there."""
+    (before the first step) computed with the initial model and stored there.
+
+    One file per example set: validation held out as the tail of the training pairs shares the training pairs'
+    file, which then holds the scores of both splits' pairs. A pair never scored is NaN there; a file whose
+    split is missing (or, as written before the tail was scored, all zero) is completed before the first step."""
     run, dist = trainer.run, trainer.dist
     key = reference_key(run)
+    splits = {"train": pair_rows(run.train, "training"), "val": pair_rows(run.val, "validation")}
     arrays: dict[str, torch.Tensor] = {}
-    for split, blocks in (("train", run.train), ("val", run.val)):
-        rows = pair_rows(blocks, "training" if split == "train" else "validation")
-        if split == "val" and rows.examples is run.train.examples:  # the held-out tail of the same pairs
-            arrays[split] = arrays["train"]
+    for split, rows in splits.items():
+        first = next(s for s, r in splits.items() if r.examples is rows.examples)
+        if first != split:  # scored with the split before it, in one file
+            arrays[split] = arrays[first]
             continue
-        folder = rows.examples.meta.get("folder")
-        path = Path(folder) / f"reference-{key}.npy" if folder else None
-        if path is not None and path.is_file():
-            values = np.load(path)
-        elif trainer.step > 0:
-            raise ShardlmError(
-                f"the reference log-probabilities of this run ({path.name if path else 'in memory'}) are missing: the "
-                "base model changed since the run started, or the token cache was cleared. The reference is the "
-                "model this run started from; start over with checkpoint.resume=none (or a new out_dir).")
-        else:
-            dist.print(f"reference: scoring the {len(rows.examples):,} pairs of {rows.examples.meta['source']} with "
-                       "the initial model (once; stored beside the example cache)")
-            values = score_all(run.model, rows, dist, trainer.batch, trainer.autocast)
-            if path is not None and dist.is_main:
-                tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
-                np.save(tmp, values)
-                tmp.rename(path)
-            dist.barrier()
+        sharing = [rows, *(r for s, r in splits.items()
+                           if s != split and r.examples is rows.examples and r is not rows)]
+        values = _reference_values(trainer, key, sharing)
         arrays[split] = torch.from_numpy(values).float().to(dist.device)
     return arrays
+
+
+def _reference_values(trainer, key: str, splits: list[ExampleRows]) -> np.ndarray:
+    """(pairs of the example set, 2): the file's values, with the splits' pairs it lacks scored first."""
+    run, dist, examples = trainer.run, trainer.dist, splits[0].examples
+    folder = examples.meta.get("folder")
+    path = Path(folder) / f"reference-{key}.npy" if folder else None
+    found = path is not None and path.is_file()
+    values = np.load(path) if path is not None and found else np.full((len(examples), 2), np.nan)
+    for rows in splits:
+        if found and len(rows.ids) and not values[rows.ids].any():  # a split left at zero, never scored
+            values[rows.ids] = np.nan
+    missing = [rows for rows in splits if np.isnan(values[rows.ids]).any()]
+    if not missing:
+        return values
+    if trainer.step > 0:
+        name = path.name if path else "in memory"
+        why = ("lack some of its pairs (written by an earlier shardlm, which did not score a validation tail held "
+               "out of the training pairs)" if found else "are missing: the base model changed since the run "
+               "started, or the token cache was cleared")
+        raise ShardlmError(f"the reference log-probabilities of this run ({name}) {why}. The reference is the model "
+                           "this run started from; start over with checkpoint.resume=none (or a new out_dir).")
+    n = sum(len(rows.ids) for rows in missing)
+    dist.print(f"reference: scoring the {n:,} pairs of {examples.meta['source']} with the initial model (once; "
+               "stored beside the example cache)")
+    for rows in missing:
+        values[rows.ids] = score_all(run.model, rows, dist, trainer.batch, trainer.autocast)[rows.ids]
+    if path is not None and dist.is_main:
+        tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+        np.save(tmp, values)
+        tmp.rename(path)
+    dist.barrier()
+    return values
