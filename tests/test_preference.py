@@ -160,6 +160,22 @@ def test_a_validation_tail_is_scored_by_the_reference_too(pairs_file, cache_dir,
     assert got["rewards/chosen"] == got["rewards/rejected"] == got["rewards/margin"] == 0
 
 
+def test_eval_scores_a_dpo_run_as_its_validation_did(dpo_one, capsys):
+    """`shardlm eval RUN` on pairs: the run's objective against its reference, the numbers of its last validation."""
+    from shardlm.inference.evaluate import evaluate_path
+    from shardlm.training.preference import STATS
+
+    got, want = evaluate_path(str(dpo_one), []), records(dpo_one, "val")[-1]
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == got
+    assert (got["pairs"], got["tokens"]) == (want["pairs"], want["tokens"])
+    for key in ("loss", "accuracy", *STATS):
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    with pytest.raises(ShardlmError, match="the next-token loss does not score"):
+        evaluate_path(str(dpo_one), ["train.objective=sft"])
+    with pytest.raises(ShardlmError, match="--exact-match score text or answers"):
+        evaluate_path(str(dpo_one), [], exact_match=2)
+
+
 @pytest.mark.parametrize(("record", "message"), [
     ({"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "a"}]},
      r"bad\.jsonl:2: a preference example needs 'chosen' and 'rejected'"),

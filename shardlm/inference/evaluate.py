@@ -4,6 +4,9 @@ Block mode scores the same packed blocks training validates on. `--stride` is th
 used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and only
 the tokens not scored by an earlier window count, each with up to a full context before it.
 
+Preference pairs are scored as the run's validation scores them (`evaluate_pairs`: its Trainer's `evaluate`, against
+the run's reference): loss, rewards/* and logps/*.
+
 `--generation N` adds generation quality (shardlm.inference.genquality) on N held-out prompts: in the JSON line under
 "generation" and, for a run, as a `"split": "gen"` record in its metrics.jsonl at the checkpoint's step.
 
@@ -14,6 +17,7 @@ carries only the final JSON line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -25,7 +29,7 @@ import torch
 
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_manifest, run_dir_of
-from shardlm.config import build_config, parse_overrides, to_flat_dict
+from shardlm.config import Config, LoraConfig, build_config, parse_overrides, to_flat_dict
 from shardlm.data import Blocks, ExampleRows, TokenBlocks
 from shardlm.data.examples import ExampleSet
 from shardlm.data.mixture import MixtureBlocks
@@ -38,8 +42,9 @@ from shardlm.inference.genquality import (
     require,
 )
 from shardlm.inference.load import inference_config, load_for_inference
-from shardlm.models.causal_lm import auto_loss_chunk, context_length
+from shardlm.models.causal_lm import auto_loss_chunk, context_length, model_config
 from shardlm.models.loss import IGNORE, linear_cross_entropy
+from shardlm.models.preference import REFERENCE_FREE
 from shardlm.observe.metrics import eval_summary, held_out_words
 from shardlm.observe.progress import fmt_time
 
@@ -168,15 +173,23 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
         tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
-        if any(isinstance(t, ExampleRows) and t.group == 2 for t in tails) and not exact_match:
-            raise ShardlmError("shardlm eval does not score preference pairs yet: a preference run's validation "
-                               "records (loss, rewards/accuracy, rewards/margin, ...) are in its metrics.jsonl. "
-                               "Score answers with --exact-match N and data.val=<conversations>.")
+        pairs = [t for t in tails if isinstance(t, ExampleRows) and t.group == 2]
+        if pairs:
+            if stride or gen.n or exact_match or len(pairs) < len(tails):
+                raise ShardlmError("the validation data holds preference pairs: shardlm eval scores them as the "
+                                   "run's validation does (loss, rewards/*); --stride, --generation and "
+                                   "--exact-match score text or answers, so point data.val at text or examples "
+                                   "for those.")
+            result = evaluate_pairs(model, tokenizer, saved, cfg, pairs[0], device, str(path))
         text = [t for t in tails if not isinstance(t, ExampleRows)]
         if len(text) < len(tails) and stride:
             raise ShardlmError("--stride scores continuations of text; the validation data holds examples. Score "
                                "their answers with --exact-match N (or --generation N).")
         tokens = np.concatenate(text) if text else np.zeros(0, dtype=np.int64)
+    if pairs:
+        print(describe_pairs(result, cfg.train.eval_batches), file=sys.stderr)
+        print(json.dumps(result))
+        return result
     seq_len = min(cfg.data.seq_len, context)
     examples = len(text) < len(tails)
     if gen.n and not examples:
@@ -193,6 +206,55 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         print(f"exact match {result['exact_match']:.3f} on {result['exact_match_n']} held-out prompts", file=sys.stderr)
     print(json.dumps(result))
     return result
+
+
+def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: ExampleRows, device: torch.device,
+                   path: str) -> dict:
+    """Preference pairs scored as the run's validation scores them: its Trainer's `evaluate`, on the run's
+    objective and preference settings, against the run's reference (dpo, ipo). That is the model the run started
+    from (its model.name, or a scratch model's seed): the initial model is built first, its log-probabilities of
+    the pairs read from beside the example cache (or scored now and stored there), and then the trained weights
+    are loaded into it. An exported folder has no run: only the reference-free objectives (simpo, orpo), named
+    with train.objective."""
+    from shardlm.training.build import Run, build_model, build_optimizer, init_dist
+    from shardlm.training.preference import prepare_reference
+    from shardlm.training.trainer import Trainer
+
+    objective = cfg.train.objective
+    if objective == "sft":
+        raise ShardlmError("the validation data holds preference pairs, which the next-token loss does not score: "
+                           "evaluate a preference run, or name its objective (train.objective=dpo, ipo, simpo or "
+                           "orpo).")
+    if saved is None and objective not in REFERENCE_FREE:
+        raise ShardlmError(f"train.objective={objective} scores pairs against the reference, the model a run "
+                           f"started from: an exported folder does not record it. Evaluate the run's checkpoint "
+                           f"(or its run dir) instead, or use a reference-free objective (simpo, orpo).")
+    parallel = dataclasses.replace(cfg.parallel, fsdp=False, cpu_offload=False, compile="false",
+                                   device=device.type, launcher="single")
+    # a LoRA run's weights are merged; its reference is the base with the adapters at zero, i.e. the base
+    model_cfg = saved.model if saved is not None else dataclasses.replace(Config().model, name=path)
+    run_cfg = dataclasses.replace(cfg, model=model_cfg, lora=LoraConfig(), parallel=parallel)
+    dist, plan = init_dist(run_cfg)
+    hf_config = model_config(run_cfg, tokenizer)
+    torch.manual_seed(run_cfg.train.seed)
+    initial = build_model(run_cfg, hf_config, plan, dist)
+    optimizer, scheduler = build_optimizer(initial, run_cfg, 1)
+    # the pairs stand in for the training data too: the reference scores them alone, and nothing trains
+    run = Run(run_cfg, dist, plan, tokenizer, hf_config, initial, optimizer, scheduler, rows, rows, 0,
+              Path(run_cfg.out_dir))
+    trainer = Trainer(run)
+    assert trainer.preference is not None
+    if trainer.preference.needs_reference:
+        trainer.preference.reference = prepare_reference(trainer)
+    initial.hf.load_state_dict(model.state_dict())
+    return trainer.evaluate() | {"held_out_tokens": rows.target_tokens}
+
+
+def describe_pairs(result: dict, eval_batches: int) -> str:
+    return (f"loss {result['loss']:.4f}  rewards/accuracy {result['rewards/accuracy']:.4f}  rewards/margin "
+            f"{result['rewards/margin']:.4f}  (chosen {result['rewards/chosen']:.4f}, rejected "
+            f"{result['rewards/rejected']:.4f})  on {result['pairs']:,} pairs, "
+            + held_out_words(result["tokens"], result["held_out_tokens"], eval_batches))
 
 
 def evaluate_generation(model, tokenizer, tokens: np.ndarray, seq_len: int, gen: GenOptions,
