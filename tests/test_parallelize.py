@@ -23,6 +23,17 @@ def test_infeasible_parallel_plans(overrides, world, local, message):
         plan(load_config(None, overrides), world, local, CPU)
 
 
+def test_full_sharding_with_one_rank_per_node_advises_grad_op():
+    from shardlm.distributed.parallelize import one_rank_per_node_note
+
+    cuda, full = torch.device("cuda"), load_config(None, [])
+    assert "parallel.sharding=grad_op" in one_rank_per_node_note(full, cuda, True, 1, 1)
+    assert "one rank per node" in one_rank_per_node_note(full, cuda, True, 4, 1)
+    assert one_rank_per_node_note(full, cuda, True, 8, 8) is None  # ranks of a node share NVLink: full is right
+    assert one_rank_per_node_note(load_config(None, ["parallel.sharding=grad_op"]), cuda, True, 1, 1) is None
+    assert one_rank_per_node_note(full, cuda, False, 1, 1) is None
+
+
 def test_a_gpu_config_on_a_cpu_warns_once_with_what_to_change(corpus, cache_dir, tmp_path):
     from shardlm.distributed.parallelize import gpu_config_warning
 

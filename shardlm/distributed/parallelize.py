@@ -75,6 +75,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
                            "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
     shape = mesh_shape(cfg, world_size, local_world_size)
     warn_once(gpu_config_warning(cfg, device))  # after the refusals: a config that cannot run says only that
+    warn_once(one_rank_per_node_note(cfg, device, use_fsdp, world_size, local_world_size))
     return Plan(use_fsdp=use_fsdp, mesh_shape=shape, reshard_after_forward=STRATEGIES[p.sharding][1],
                 dtype=DTYPES[p.precision], compile=compile_)
 
@@ -97,6 +98,21 @@ def gpu_config_warning(cfg: Config, device: torch.device) -> str | None:
     return (f"warning: this config was written for a GPU ({', '.join(s for s, _ in found)}) and runs on a CPU, where "
             f"each step takes many times longer; for a CPU run set {' and '.join(f for _, f in found)}, or use a "
             "smaller config such as shakespeare_tiny (shardlm configs lists them).")
+
+
+def one_rank_per_node_note(cfg: Config, device: torch.device, use_fsdp: bool, world_size: int,
+                           local_world_size: int) -> str | None:
+    """Full sharding frees each block's gathered weights after its forward and gathers them again for its
+    backward. With one rank per node that second gather is a copy (one rank) or crosses the network (one GPU
+    per node) for a saving of one block's weights: measured on an H200 (GPT-2 124M, batch 32, compiled, one
+    rank), full ran at 0.82x one process's tokens/s and grad_op at 0.95x."""
+    if not (use_fsdp and device.type == "cuda" and cfg.parallel.sharding == "full"
+            and (world_size == 1 or local_world_size == 1)):
+        return None
+    where = "one rank" if world_size == 1 else "one rank per node"
+    return (f"note: with {where}, parallel.sharding=grad_op keeps each block's gathered weights from its forward to "
+            "its backward instead of gathering them twice: ~15% more tokens/s (measured: 0.82x -> 0.95x of one "
+            "process), for one block's weights more memory at the peak.")
 
 
 @functools.cache
