@@ -5,7 +5,10 @@ What each family brings: Llama an untied head, no biases, RoPE, grouped-query at
 embeddings and qkv biases; Mistral a sliding window (shorter than the sequence here); Gemma 2 scaled
 embeddings, tied weights, attention and final-logit soft-capping (eager attention); Gemma 3 query/key
 norms; Phi-3 fused qkv and gate/up projections; GPT-NeoX parallel residuals, partial rotary; OPT learned
-positions with an offset, biases, tied weights.
+positions with an offset, biases, tied weights. The mixture-of-experts families (Mixtral, Qwen2-MoE with a shared
+expert, Qwen3-MoE, OLMoE, GPT-OSS with attention sinks) add their router's load-balancing loss to the
+cross-entropy, as their config asks here (output_router_logits, coefficient 0.5); DeepSeek-V3 (shared experts,
+latent attention, a dense first layer) adds none.
 """
 
 import importlib.util
@@ -24,8 +27,19 @@ from shardlm.tokenizer import byte_tokenizer
 
 SMALL = {"model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
          "model.intermediate_size": 64, "model.n_positions": 64, "data.seq_len": 32}
+ROUTED = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.5}  # as a user sets it
 EXTRA = {"qwen2": {"tie_word_embeddings": True}, "mistral": {"sliding_window": 16},
-         "gemma2": {"sliding_window": 16}, "qwen3": {"tie_word_embeddings": False}}
+         "gemma2": {"sliding_window": 16}, "qwen3": {"tie_word_embeddings": False},
+         "mixtral": {"num_local_experts": 4, **ROUTED},
+         "qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, **ROUTED},
+         "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, **ROUTED},
+         "olmoe": {"num_experts": 4, **ROUTED},
+         "gpt_oss": {"num_local_experts": 4, "layer_types": ["sliding_attention", "full_attention"],
+                     "sliding_window": 16, **ROUTED},
+         "deepseek_v3": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                         "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                         "v_head_dim": 8, "num_key_value_heads": 4}}
 
 
 def make_folder(root, arch):
@@ -49,11 +63,13 @@ def test_loss_is_the_models_own_and_ties_are_kept(folders, arch):
 
     hf = AutoModelForCausalLM.from_pretrained(folders[arch], dtype=torch.float32).train()
     tokens = torch.randint(0, 257, (2, 33), generator=torch.Generator().manual_seed(0))
-    want = hf(input_ids=tokens, labels=tokens).loss
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].contiguous()  # routers see the inputs alone, as in training
+    want = hf(input_ids=inputs, labels=inputs, shift_labels=targets).loss  # + router_aux_loss_coef x aux (MoE)
+    assert getattr(hf.config, "output_router_logits", False) == (arch in EXTRA and "output_router_logits" in EXTRA[arch])
     chunks = [0] if arch == "gemma2" else [0, 16]  # gemma2 soft-caps its logits: the model's own logits only
     for chunk in chunks:
-        loss_sum, _ = CausalLM(hf, chunk)(tokens[:, :-1], tokens[:, 1:])
-        assert (loss_sum / tokens[:, 1:].numel()).item() == pytest.approx(want.item(), rel=1e-5), chunk
+        loss_sum, _ = CausalLM(hf, chunk).train()(inputs, targets)
+        assert (loss_sum / targets.numel()).item() == pytest.approx(want.item(), rel=1e-6), chunk
     tied = hf.config.tie_word_embeddings
     assert (hf.get_output_embeddings().weight is hf.get_input_embeddings().weight) == tied
 
@@ -121,3 +137,50 @@ def test_the_models_own_tokenizer_by_default(folders, tmp_path):
         model_config(load_config(None, [f"model.name={folders['gemma2']}", "train.loss_chunk_size=16",
                                         "data.seq_len=32"]),
                      byte_tokenizer())
+
+
+def test_rope_scaling_fine_tunes_at_4x_the_context_and_the_export_carries_it(folders, corpus, cache_dir, tmp_path):
+    """Llama's 64 positions stretched to 256 (linear interpolation): trains, and the
+    export's config carries the scaling, so transformers computes the trained model's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardlm.inference.export import export
+    from shardlm.training.trainer import Trainer
+
+    overrides = tiny(corpus, cache_dir, tmp_path / "run", **{
+        "model.name": folders["llama"], "model.rope_scaling": "{type: linear, factor: 4}", "data.seq_len": 256,
+        "train.batch_size": 2, "train.max_steps": 2, "model.dropout": 0.0})
+    overrides = [o for o in overrides if o.split("=")[0] not in {"model.n_layer", "model.n_embd", "model.n_head",
+                                                                   "model.n_positions"}]
+    trainer = Trainer.from_config(load_config(None, overrides), checkpoint=True)
+    trainer.fit()
+    export(tmp_path / "run", tmp_path / "hf")
+    config = AutoConfig.from_pretrained(tmp_path / "hf")
+    scaling = getattr(config, "rope_parameters", None) or config.rope_scaling
+    assert (scaling["rope_type"], scaling["factor"], config.max_position_embeddings) == ("linear", 4.0, 256)
+    tokens = torch.randint(0, 257, (1, 256), generator=torch.Generator().manual_seed(1))
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()(tokens).logits
+    with torch.no_grad():
+        ours = trainer.model.eval().hf(tokens).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_pretrained_overrides_that_keep_shapes_apply_and_others_are_refused(folders):
+    def config(arch: str, *extra: str):
+        return model_config(load_config(None, [f"model.name={folders[arch]}", "data.seq_len=32", *extra]),
+                            byte_tokenizer())
+
+    assert config("mixtral", "model.config_overrides={output_router_logits: false}").output_router_logits is False
+    assert config("mistral", "model.config_overrides={sliding_window: 8}").sliding_window == 8
+    with pytest.raises(ShardlmError, match=r"model.config_overrides intermediate_size would change the pretrained "
+                                           r"weights' shapes \(model.layers.0.mlp.down_proj.weight: \(32, 64\) -> "):
+        config("llama", "model.config_overrides={intermediate_size: 128}")
+    with pytest.raises(ShardlmError, match="has no config field 'sliding_windw'. Did you mean 'sliding_window'"):
+        config("mistral", "model.config_overrides={sliding_windw: 8}")
+    with pytest.raises(ShardlmError, match="model.rope_scaling: gpt2 has no rotary position embeddings"):
+        config("gpt2", "model.rope_scaling={type: linear, factor: 2}")
+    with pytest.raises(ShardlmError, match=r"data.seq_len=256 exceeds the model's 64 positions; set data.seq_len<=64, "
+                                           r"or stretch its context with model.rope_scaling='\{type: yarn, factor: 4\}'"):
+        config("qwen3", "data.seq_len=256")
+    with pytest.raises(ShardlmError, match="model.rope_scaling needs type: one of linear, dynamic, yarn"):
+        config("llama", "model.rope_scaling={type: ntk, factor: 2}")

@@ -59,9 +59,11 @@ class Checkpointer:
 
     def __init__(self, run_config: Config, dist: Dist, root: Path, parts: dict[str, Stateful], *,
                  hf_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
-                 on_saved: Callable[[int, Path], None] | None = None):
+                 on_saved: Callable[[int, Path], None] | None = None,
+                 before_save: Callable[[], None] | None = None):
+        """`before_save` brings the parts up to date first (the trainer's step reads its norm a step late)."""
         self.run_config, self.cfg, self.dist = run_config, run_config.checkpoint, dist
-        self.parts, self.on_saved = parts, on_saved
+        self.parts, self.on_saved, self.before_save = parts, on_saved, before_save
         self.hf_config, self.tokenizer = hf_config, tokenizer
         self.root = root
         self.pending: tuple[Any, Path, Path, int, float] | None = None  # (future, tmp, final, step, began)
@@ -135,6 +137,8 @@ class Checkpointer:
         return self._base
 
     def save(self, step: int) -> Path:
+        if self.before_save is not None:
+            self.before_save()
         self.finish_pending()
         final = step_dir(self.root, step)
         if final.exists() and is_complete(final) is None:

@@ -43,7 +43,8 @@ class ModelConfig:
     intermediate_size: int | None = None  # MLP width (from scratch); None = the family's default
     n_positions: int | None = None  # context length (from scratch); None = data.seq_len, every position trained
     vocab_multiple: int = 1  # from scratch: pad the vocabulary to a multiple of this (64 on GPUs: aligned lm_head)
-    config_overrides: dict[str, Any] = field(default_factory=dict)  # any other HF config fields (from scratch)
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # other HF config fields (pretrained: shape-keeping)
+    rope_scaling: dict[str, Any] | None = None  # stretch a pretrained RoPE context: {type: yarn|linear|..., factor: 4}
     dropout: float = 0.0  # residual, embedding and attention dropout (also set on pretrained models)
     attention: str = "auto"  # auto = SDPA (causal kernels, no mask), else eager; or sdpa, eager, flash_attention_2, ...
     tokenizer: str | None = None  # None = the model's own, bytes from scratch; or bytes, gpt2, a folder, a hub name
@@ -86,8 +87,8 @@ class TrainConfig:
     max_steps: int | None = None  # wins over epochs when set; 0 = evaluate only
     epochs: float = 2.0  # passes over data.train when max_steps is null; 0 = evaluate only; 3 when fine-tuning
     lr: float = 3e-3  # peak learning rate (AdamW); fine-tuning (model.name set): 5e-5, with LoRA (lora.r > 0) 2e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20  # linear warmup, then cosine decay; 0 when fine-tuning
+    min_lr_ratio: float = 0.1  # the decay ends at lr * min_lr_ratio (cosine, linear, wsd; inverse_sqrt's floor)
+    warmup_steps: int = 20  # linear warmup, then train.schedule; 0 when fine-tuning
     weight_decay: float = 0.1  # AdamW decay on matrices; biases, norms get none; 0.0 when fine-tuning
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
@@ -104,6 +105,14 @@ class TrainConfig:
     gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
     gen_samples: int = 32  # held-out prompts sampled for those metrics
     objective: str = "sft"  # sft (next-token loss) | dpo | ipo | simpo | orpo (preference pairs, section preference)
+    optimizer: str = "adamw"  # adamw | muon | adamw8bit | adafactor | schedule_free_adamw | sgd (HF's names too)
+    optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's other arguments (docs/optimizers.md)
+    muon_lr: float | None = None  # muon: peak learning rate of the block matrices; None = train.lr
+    muon_momentum: float = 0.95  # muon: momentum of the block matrices (their AdamW part uses beta1, beta2)
+    muon_adjust_lr: str = "match_rms_adamw"  # muon: match_rms_adamw (AdamW's lr and decay fit) | original (Jordan's)
+    schedule: str = "auto"  # cosine | linear | constant | wsd | inverse_sqrt; auto = cosine (schedule-free: constant)
+    decay_fraction: float = 0.2  # wsd: the share of the steps that decays at the end (the rest is stable)
+    decay_shape: str = "1-sqrt"  # wsd: the decay's shape: 1-sqrt | linear | cosine
 
 
 @dataclass

@@ -19,6 +19,8 @@ from shardlm import ShardlmError
 from shardlm.config import Config, nearest
 from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
 from shardlm.models.loss import IGNORE, linear_cross_entropy, logits_cross_entropy
+from shardlm.models.moe import TESTED_MOE_FAMILIES, router_objective
+from shardlm.models.overrides import apply_overrides
 from shardlm.tokenizer import BUILTIN_TEMPLATES, tokenizer_spec
 
 if TYPE_CHECKING:
@@ -28,7 +30,8 @@ if TYPE_CHECKING:
 # Granite scale them): their loss is computed from the model's own logits, never without the transform.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 # model_types verified by tests/test_families.py (FSDP parity, ties, loss = the model's own, export, resume)
-TESTED_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_neox", "opt")
+TESTED_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_neox", "opt",
+                   *TESTED_MOE_FAMILIES)
 # Families whose transformers attention keeps packed examples apart given restarting position ids (verified by
 # tests/test_examples.py: packed rows = each example alone). OPT builds its mask without the position ids.
 PACKING_FAMILIES = tuple(f for f in TESTED_FAMILIES if f != "opt")
@@ -59,6 +62,10 @@ class CausalLM(nn.Module):
         self.loss_chunk_size = loss_chunk_size
         self.loss_fn = linear_cross_entropy  # parallelize may replace it with a compiled one
         self.full_logits = logit_transform(hf_model.config) is not None or hf_model.get_output_embeddings() is None
+        self.router = router_objective(hf_model)  # mixture-of-experts: the auxiliary loss its forward adds
+        if self.router:  # aux loss sum, forwards, then tokens per (layer, expert): read and zeroed by the records
+            self.register_buffer("router_stats", torch.zeros(2 + self.router.layers * self.router.num_experts),
+                                 persistent=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
                 segments: torch.Tensor | None = None, sequences: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,13 +79,38 @@ class CausalLM(nn.Module):
 
     def _forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
                  segments: torch.Tensor | None, sequences: int, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        routed = self.router is not None and self.training and segments is None
+        if routed:
+            kwargs = {**kwargs, "output_router_logits": True}
         if self.full_logits:
-            logits = self.hf(input_ids=tokens, use_cache=False, **kwargs).logits
+            out = self.hf(input_ids=tokens, use_cache=False, **kwargs)
             if segments is not None:
-                return sequence_logps(logits.flatten(0, 1), targets.flatten(), segments.flatten(), sequences)
-            return logits_cross_entropy(logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
-        hidden = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state.flatten(0, 1)
-        targets = targets.flatten()
+                return sequence_logps(out.logits.flatten(0, 1), targets.flatten(), segments.flatten(), sequences)
+            loss = logits_cross_entropy(out.logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
+            return self._with_router_loss(loss, out, targets) if routed else loss
+        out = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs)
+        loss = self._head_loss(out.last_hidden_state.flatten(0, 1), targets.flatten(), positions, segments, sequences)
+        return self._with_router_loss(loss, out, targets) if routed else loss
+
+    def _with_router_loss(self, loss: tuple[torch.Tensor, torch.Tensor], out: Any,
+                          targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The family's auxiliary term added as its forward adds it to the mean loss (x this micro-batch's targets,
+        so the step's division by its target count gives coef x aux), and the expert load recorded."""
+        assert self.router is not None
+        loss_sum, correct = loss
+        aux = self.router.aux_loss(out.router_logits)
+        counts = self.router.expert_counts(out.router_logits)
+        stats: torch.Tensor = self.router_stats  # type: ignore[assignment]
+        with torch.no_grad():
+            stats[0] += aux.detach().float()
+            stats[1] += 1
+            stats[2:2 + counts.numel()] += counts.flatten()
+        if self.router.in_loss:
+            loss_sum = loss_sum + self.router.coef * aux * (targets != IGNORE).sum()
+        return loss_sum, correct
+
+    def _head_loss(self, hidden: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                   segments: torch.Tensor | None, sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.hf.get_output_embeddings()
         segments = None if segments is None else segments.flatten()
         if positions is not None and not torch.compiler.is_compiling():
@@ -274,7 +306,11 @@ def check_tokenizer(hf_cfg, tokenizer, cfg: Config) -> None:
 def model_config(cfg: Config, tokenizer):
     """The HF config of the model to train: read from the hub/folder, or built from cfg for scratch."""
     m = cfg.model
-    hf_cfg = scratch_config(cfg, tokenizer) if m.name is None else pretrained_config(cfg)
+    if m.name is None and m.rope_scaling:
+        raise ShardlmError("model.rope_scaling stretches a pretrained model's context (model.name); from scratch, set "
+                           "model.n_positions to the context you train at.")
+    hf_cfg = scratch_config(cfg, tokenizer) if m.name is None else \
+        apply_overrides(pretrained_config(cfg), m.config_overrides, m.rope_scaling)
     dropouts = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
     for key in dropouts:
         if hasattr(hf_cfg, key):
@@ -288,8 +324,12 @@ def model_config(cfg: Config, tokenizer):
                            "which the chunked loss does not apply: set train.loss_chunk_size=0 or leave it null.")
     positions = context_length(hf_cfg)
     if positions is not None and cfg.data.seq_len > positions:
+        rope = hasattr(hf_cfg, "rope_theta") or getattr(hf_cfg, "rope_parameters", None)
+        stretch = (", or stretch its context with model.rope_scaling='{type: yarn, factor: "
+                   f"{-(-cfg.data.seq_len // positions)}}}'" if m.name is not None and not m.rope_scaling and rope
+                   else "")
         raise ShardlmError(f"data.seq_len={cfg.data.seq_len} exceeds the model's {positions} positions; "
-                           f"set data.seq_len<={positions}.")
+                           f"set data.seq_len<={positions}{stretch}.")
     if getattr(hf_cfg, "activation_function", None) == "gelu_new":
         # The same tanh-GELU as one fused op instead of seven: saves ~30% of block activation memory
         # (measured with shardlm estimate) and several memory passes per step. HF reads the name back.

@@ -21,6 +21,7 @@ from shardlm.data import describe
 from shardlm.distributed import xla
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
+from shardlm.models.moe import active_fraction, expert_params, router_record
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
 from shardlm.observe.metrics import MetricsLog, flops_per_token, held_out_words
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
@@ -34,16 +35,25 @@ def global_batch(run: Run) -> int:
 
 
 def model_flops_per_token(run: Run, causal: bool = False) -> float:
-    """nanoGPT's estimate (`causal`: llm.c's); its N leaves out the position embeddings (a lookup, no matmul)."""
+    """nanoGPT's estimate (`causal`: llm.c's); its N leaves out the position embeddings (a lookup, no matmul),
+    and counts a mixture-of-experts model's *active* parameters: the routed experts x top_k / experts."""
     hf = run.hf_config
     layers = getattr(hf, "n_layer", getattr(hf, "num_hidden_layers", 0))
     width = getattr(hf, "n_embd", getattr(hf, "hidden_size", 0))
-    return flops_per_token(num_params(run.model, exclude_embeddings=True), layers, width, run.cfg.data.seq_len,
-                           causal)
+    idle = round(expert_params(run.model) * (1 - active_fraction(hf)))
+    return flops_per_token(num_params(run.model, exclude_embeddings=True) - idle, layers, width,
+                           run.cfg.data.seq_len, causal)
 
 
 def _params(run: Run) -> str:
     trainable, total = lora.count(run.model)
+    if (share := active_fraction(run.hf_config)) < 1:
+        routed = expert_params(run.model)
+        active = total - round(routed * (1 - share))
+        return (f"{total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token (mixture of experts: "
+                f"{routed / 1e6:.2f}M in routed experts, top-{run.hf_config.num_experts_per_tok} of "
+                f"{round(run.hf_config.num_experts_per_tok / share)})"
+                + (f", {trainable:,} trainable" if trainable != total else ""))
     if trainable == total:
         return f"{total / 1e6:.2f}M parameters"
     return f"{total / 1e6:.2f}M parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
@@ -84,6 +94,8 @@ class Reporter:
         self.flops_per_token, self.peak_flops = model_flops_per_token(run), peak_flops(d.device)
         self.causal_share = model_flops_per_token(run, causal=True) / self.flops_per_token  # llm.c's MFU / ours
         self.log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main, cfg=cfg)
+        if (router_stats := getattr(run.model, "router_stats", None)) is not None:
+            router_stats.zero_()  # a model built on meta has it uninitialized
         d.print(run_header(run))
         self.progress = Progress(self.total, cfg.log.progress, d.is_main, initial=first_step)
         self.eta, self.timer, self.began = Eta(self.total), StepTimer(), time.time()
@@ -135,6 +147,7 @@ class Reporter:
         self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
                         "mfu_causal": mfu * self.causal_share if mfu is not None else None,
+                        **router_record(self.run.model, self.dist.all_reduce_sum),
                         "peak_mem_gb": peak_mem / 1e9, "device": self.device.type,
                         "skipped_steps": skipped_steps, "time_s": time.time() - self.began,
                         **({"target_fraction": target_fraction} if target_fraction < 1 and not pref else {}), **pref,

@@ -68,6 +68,11 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
         self.preference = Preference(self.cfg, self.device) if t.objective != "sft" else None
+        if self.preference is not None and getattr(getattr(self.model, "router", None), "in_loss", False):
+            raise ShardlmError(f"train.objective={t.objective} on a mixture-of-experts model whose config adds the "
+                               "router's load-balancing loss (output_router_logits=true): shardlm's preference losses "
+                               "do not add it yet. Set model.config_overrides='{\"output_router_logits\": false}' to "
+                               "preference-tune it without that term.")
         # The step's gradient norm is read on the host one step late (training.update); CPU offload reads it
         # on the host anyway, and fp16's GradScaler owns grad_scale / found_inf.
         self.sync_free = (t.sync_free_step and self.scaler is None and not self.cfg.parallel.cpu_offload
@@ -75,7 +80,7 @@ class Trainer:
         self._pending: tuple[LateRead, StepResult, int] | None = None  # a step whose norm the host has not read
         self.checkpointer = Checkpointer(
             run.cfg, run.dist, checkpoints_dir(run.out_dir), stateful_parts(run, self), hf_config=run.hf_config,
-            tokenizer=run.tokenizer, on_saved=self._saved) if checkpoint else None
+            tokenizer=run.tokenizer, on_saved=self._saved, before_save=self.settle) if checkpoint else None
 
     @classmethod
     def from_config(cls, cfg: Config, **options: Any) -> Trainer:
@@ -405,7 +410,6 @@ class Trainer:
         signalled = self.checkpointer.should_stop()
         self.stop_requested = self.stop_requested or signalled
         if self.stop_requested or self.checkpointer.due(self.step, self.run.total_steps):
-            self.settle()  # the schedule and the skip counts the checkpoint keeps
             with report.timed("save"):
                 self.checkpointer.save(self.step)
 
