@@ -15,14 +15,15 @@ from shardlm import ShardlmError
 from shardlm.config import Config
 from shardlm.data import Blocks, describe, prepare_data
 from shardlm.distributed import process_group as dist_mod
-from shardlm.distributed.parallelize import Plan, ShardLocalAdamW, parallelize, plan
+from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
 from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, check_packing, empty_model, initial_model, model_config
 from shardlm.models.state_keys import from_hf, hf_name
 from shardlm.tokenizer import model_tokenizer
+from shardlm.training import optimizers
 from shardlm.training.preference import check_objective
-from shardlm.training.schedule import WarmupCosine
+from shardlm.training.schedule import Schedule, check_schedule, make_schedule
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -117,20 +118,17 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
 
 
 def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
-    t = cfg.train
-    decay: list[nn.Parameter] = []
-    no_decay: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = next(model.parameters()).device.type in ("cpu", "cuda")  # XLA: foreach, traced into the step's graph
-    optimizer = ShardLocalAdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused, foreach=not fused)
-
-    schedule = WarmupCosine(t.warmup_steps, total_steps, t.min_lr_ratio)
+    """The optimizer of train.optimizer (shardlm.training.optimizers) and the LambdaLR of train.schedule over
+    `total_steps`. AdamW, the default, is the fused torch AdamW on the local shards, as it always was."""
+    optimizer = optimizers.build_optimizer(model, cfg)
+    schedule = make_schedule(cfg.train, total_steps, optimizers.optimizer_name(cfg.train.optimizer))
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def describe_optimizer(run: Run) -> str:
+    """The run header's line: optimizer, its parameter groups (tensors, parameters, peak lr) and the schedule."""
+    schedule = next((f for f in run.scheduler.lr_lambdas if isinstance(f, Schedule)), None)
+    return optimizers.describe(run.optimizer, schedule.describe() if schedule is not None else None)
 
 
 def count_steps(cfg: Config, train: Blocks, world: int) -> int:
@@ -153,6 +151,7 @@ def build(cfg: Config) -> Run:
     tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
     d, pl = init_dist(cfg)
     lora.check(cfg.lora, d.device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
+    optimizers.check_optimizer(cfg)  # a misspelled optimizer or a missing library too
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
@@ -160,6 +159,7 @@ def build(cfg: Config) -> Run:
     check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
     check_objective(cfg, train, val)
     total = count_steps(cfg, train, d.data_parallel)
+    check_schedule(cfg.train, total, optimizers.optimizer_name(cfg.train.optimizer))
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, hf_cfg, pl, d)
     optimizer, scheduler = build_optimizer(model, cfg, total)
