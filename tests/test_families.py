@@ -172,6 +172,11 @@ def test_pretrained_overrides_that_keep_shapes_apply_and_others_are_refused(fold
 
     assert config("mixtral", "model.config_overrides={output_router_logits: false}").output_router_logits is False
     assert config("mistral", "model.config_overrides={sliding_window: 8}").sliding_window == 8
+    with pytest.raises(ShardlmError, match="train.objective=dpo on a mixture-of-experts model whose config adds the "
+                                           "router's load-balancing loss"):
+        config("mixtral", "train.objective=dpo")
+    assert not config("mixtral", "train.objective=dpo",
+                      "model.config_overrides={output_router_logits: false}").output_router_logits
     with pytest.raises(ShardlmError, match=r"model.config_overrides intermediate_size would change the pretrained "
                                            r"weights' shapes \(model.layers.0.mlp.down_proj.weight: \(32, 64\) -> "):
         config("llama", "model.config_overrides={intermediate_size: 128}")

@@ -19,7 +19,7 @@ from shardlm import ShardlmError
 from shardlm.config import Config, nearest
 from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
 from shardlm.models.loss import IGNORE, linear_cross_entropy, logits_cross_entropy
-from shardlm.models.moe import TESTED_MOE_FAMILIES, router_objective
+from shardlm.models.moe import TESTED_MOE_FAMILIES, is_moe, router_objective
 from shardlm.models.overrides import apply_overrides
 from shardlm.tokenizer import BUILTIN_TEMPLATES, tokenizer_spec
 
@@ -319,6 +319,11 @@ def model_config(cfg: Config, tokenizer):
     if m.name is None and hf_cfg.vocab_size > len(tokenizer):
         hf_cfg.tokenizer_size = len(tokenizer)  # the padded ids above it are suppressed in generation
     check_tokenizer(hf_cfg, tokenizer, cfg)
+    if cfg.train.objective != "sft" and is_moe(hf_cfg) and getattr(hf_cfg, "output_router_logits", False):
+        raise ShardlmError(f"train.objective={cfg.train.objective} on a mixture-of-experts model whose config adds the "
+                           "router's load-balancing loss (output_router_logits=true): shardlm's preference losses do "
+                           "not add it yet. Set model.config_overrides='{\"output_router_logits\": false}' to "
+                           "preference-tune it without that term.")
     if (transform := logit_transform(hf_cfg)) and cfg.train.loss_chunk_size:
         raise ShardlmError(f"{hf_cfg.model_type} transforms its logits ({transform}={getattr(hf_cfg, transform)}), "
                            "which the chunked loss does not apply: set train.loss_chunk_size=0 or leave it null.")

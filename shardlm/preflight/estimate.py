@@ -108,8 +108,10 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     meta = _meta_model(cfg, hf_cfg)
     blocks = transformer_blocks(meta)
     trainable, total = lora.count(meta)
-    per_block, per_block_trainable = num_params(blocks[0]), num_params(blocks[0], trainable_only=True)
-    root = total - per_block * len(blocks)
+    # the largest block: a mixture of experts may keep dense blocks beside routed ones (DeepSeek's first layers)
+    per_block = max(num_params(b) for b in blocks)
+    per_block_trainable = max(num_params(b, trainable_only=True) for b in blocks)
+    root = total - sum(num_params(b) for b in blocks)
     p = cfg.parallel
     use_fsdp = fsdp_enabled(cfg, world_size)
     reshard = STRATEGIES[p.sharding][1]

@@ -68,11 +68,6 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
         self.preference = Preference(self.cfg, self.device) if t.objective != "sft" else None
-        if self.preference is not None and getattr(getattr(self.model, "router", None), "in_loss", False):
-            raise ShardlmError(f"train.objective={t.objective} on a mixture-of-experts model whose config adds the "
-                               "router's load-balancing loss (output_router_logits=true): shardlm's preference losses "
-                               "do not add it yet. Set model.config_overrides='{\"output_router_logits\": false}' to "
-                               "preference-tune it without that term.")
         # The step's gradient norm is read on the host one step late (training.update); CPU offload reads it
         # on the host anyway, and fp16's GradScaler owns grad_scale / found_inf.
         self.sync_free = (t.sync_free_step and self.scaler is None and not self.cfg.parallel.cpu_offload
