@@ -133,7 +133,7 @@ def test_packed_rows_give_each_examples_own_loss(tmp_path, arch):
     from shardlm.models.causal_lm import CausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(make_folder(tmp_path, arch), dtype=torch.float32).eval()
-    model = CausalLM(hf)
+    model = CausalLM(hf).eval()  # training adds a router's batch-level load-balancing loss (MoE)
     examples = examples_of([9, 14, 5, 20, 11, 7])
     packed = ExampleRows(examples, 32, packing=True)
     assert len(packed) < 6

@@ -33,15 +33,17 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 TESTED_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_neox", "opt",
                    *TESTED_MOE_FAMILIES)
 # Families whose transformers attention keeps packed examples apart given restarting position ids (verified by
-# tests/test_examples.py: packed rows = each example alone). OPT builds its mask without the position ids.
-PACKING_FAMILIES = tuple(f for f in TESTED_FAMILIES if f != "opt")
+# tests/test_examples.py: packed rows = each example alone). OPT builds its mask without the position ids; in
+# GPT-OSS's (attention sinks, eager) packed rows differ from each example alone.
+PACKING_FAMILIES = tuple(f for f in TESTED_FAMILIES if f not in ("opt", "gpt_oss"))
 
 
 def check_packing(hf_cfg, packing: bool) -> None:
     """Packed examples on a family whose attention would let them see each other are refused, never trained."""
     if packing and hf_cfg.model_type not in PACKING_FAMILIES:
-        why = ("its attention mask ignores position ids" if hf_cfg.model_type == "opt" else
-               "it is not among the families verified to keep packed examples apart")
+        why = {"opt": "its attention mask ignores position ids",
+               "gpt_oss": "in its attention (sinks) packed rows differ from each example alone"}.get(
+            hf_cfg.model_type, "it is not among the families verified to keep packed examples apart")
         raise ShardlmError(f"data.packing=true would let packed examples attend to each other in model family "
                            f"'{hf_cfg.model_type}' ({why}; verified: {', '.join(PACKING_FAMILIES)}). Set "
                            "data.packing=false (each example padded in its own row).")

@@ -83,6 +83,9 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
     full = from_hf(reference.state_dict()) if reference is not None else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
+        if not name.startswith("hf."):  # shardlm's own (a router's statistics): they start at zero
+            buf.zero_()
+            continue
         if reference is not None:
             buf.copy_(reference.get_buffer(hf_name(name)))
         if dist.distributed:
