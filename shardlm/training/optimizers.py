@@ -199,7 +199,7 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     elif name == "adamw8bit":
         optimizer = adamw8bit(groups, lr=t.lr, betas=betas, **args)
     elif name == "adafactor":
-        optimizer = torch.optim.Adafactor(groups, lr=t.lr, foreach=False, **args)
+        optimizer = Adafactor(groups, lr=t.lr, **args)
     elif name == "schedule_free_adamw":
         optimizer = schedule_free_adamw(model, groups, lr=t.lr, betas=betas, **args)
     else:
@@ -469,6 +469,11 @@ def _ns_cost(shape: tuple[int, ...]) -> float:
     return float(small * small * big)
 
 
+def _shard_ranks(p: torch.Tensor) -> int:
+    group = _shard_group(p)
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
 def _shard_group(p: torch.Tensor) -> Any:
     """The process group over which `p`'s rows are sharded (FSDP2's Shard(0)); None if `p` is whole here."""
     from torch.distributed.tensor import DTensor, Shard
@@ -484,11 +489,122 @@ def _shard_group(p: torch.Tensor) -> Any:
     return None
 
 
+# ---- Adafactor ------------------------------------------------------------------------------------------------
+def _placed_like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], sharded_rows: bool) -> torch.Tensor:
+    """`local` as a DTensor on `p`'s mesh: rows sharded as `p`'s (a row statistic), or replicated (a column one)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(p, DTensor):
+        return local
+    placements = p.placements if sharded_rows else [Replicate()] * len(p.placements)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+class Adafactor(torch.optim.Adafactor):
+    """torch.optim.Adafactor's update (same formulas, same state names) on FSDP2's shards: the row statistic is
+    sharded with the rows, the column statistic (a sum over all rows) and the norms the update reads are
+    all-reduced over the shard group, two collectives per step for all the parameters together. (torch's own
+    step fails on DTensors: an in-place op on a partial norm.)"""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._group_step(group, params)
+        return loss
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            local = _local(p)
+            if p.dim() > 1:
+                state["row_var"] = _placed_like(p, local.new_zeros((*local.shape[:-1], 1)),
+                                                (*p.shape[:-1], 1), sharded_rows=True)
+                state["col_var"] = _placed_like(p, local.new_zeros((*local.shape[:-2], 1, local.shape[-1])),
+                                                (*p.shape[:-2], 1, p.shape[-1]), sharded_rows=False)
+            else:
+                state["variance"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _group_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        lr, decay, d, beta2_decay = group["lr"], group["weight_decay"], group["d"], group["beta2_decay"]
+        eps1, eps2 = group["eps"]
+        first: list[list[torch.Tensor]] = []  # per parameter: what phase 1 sums over the shards
+        for p in params:
+            state = self._init_state(p)
+            g, x = _local(p.grad), _local(p)  # type: ignore[arg-type]
+            state["step"] += 1
+            step = state["step"].item()
+            om = step ** beta2_decay
+            pieces = [x.norm(2).square().reshape(1)]
+            if g.dim() > 1:
+                row_var = _local(state["row_var"])
+                row_var.lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(p.shape[-1]), om)
+                pieces += [row_var.sum(dim=-2).reshape(-1), torch.norm(g, dim=-2, keepdim=True).square_().reshape(-1)]
+            else:
+                _local(state["variance"]).lerp_(g * g, om)
+            first.append(pieces)
+        sums = self._all_reduce(params, first)
+        second: list[list[torch.Tensor]] = []
+        updates = []
+        for p, (psq, *rest) in zip(params, sums, strict=True):
+            state, g, x = self.state[p], _local(p.grad), _local(p)  # type: ignore[arg-type]
+            step = state["step"].item()
+            om, rho = step ** beta2_decay, min(lr, 1 / step ** 0.5)
+            e1 = torch.finfo(x.dtype).eps if eps1 is None else eps1
+            alpha = max(eps2, psq.sqrt().item() / p.numel() ** 0.5) * rho
+            if decay != 0:
+                x.mul_(1 - lr * decay)
+            if g.dim() > 1:
+                rows = p.shape[-2]
+                row_sum, col_sq = rest[0], rest[1]
+                col_var = _local(state["col_var"])
+                col_var.lerp_(col_sq.view(col_var.shape).div(rows), om)
+                estimate = _local(state["row_var"]) @ col_var
+                estimate.div_((row_sum.view(*col_var.shape[:-2], 1, 1) / rows).clamp_(min=e1))
+            else:
+                estimate = _local(state["variance"]).clone()
+            update = estimate.clamp_(min=e1 * e1).rsqrt_().mul_(g)
+            updates.append((alpha, update))
+            second.append([update.norm(2).square().reshape(1)])
+        for p, (alpha, update), (usq,) in zip(params, updates, self._all_reduce(params, second), strict=True):
+            denom = max(1.0, usq.sqrt().item() / (p.numel() ** 0.5 * d))
+            _local(p).add_(update, alpha=-alpha / denom)
+
+    @staticmethod
+    def _all_reduce(params: list[torch.Tensor], pieces: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """Each parameter's pieces summed over its shard group: one all-reduce per group for all of them."""
+        out = [list(ps) for ps in pieces]
+        by_group: dict[Any, list[int]] = {}
+        for i, p in enumerate(params):
+            pg = _shard_group(p)
+            if pg is not None:
+                by_group.setdefault(pg, []).append(i)
+        for pg, idx in by_group.items():
+            flat = torch.cat([t for i in idx for t in pieces[i]])
+            torch.distributed.all_reduce(flat, group=pg)
+            parts = iter(flat.split([t.numel() for i in idx for t in pieces[i]]))
+            for i in idx:
+                out[i] = [next(parts) for _ in pieces[i]]
+        return [[t.reshape(()) if t.numel() == 1 else t for t in ps] for ps in out]
+
+
 # ---- 8-bit AdamW (torchao) and schedule-free AdamW (schedulefree) ------------------------------------------------
 def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
-    """torchao's AdamW8bit with the learning rate a plain number between steps (the schedule, the checkpoint's
-    JSON and the loop read it as one); torchao's compiled step gets it as a tensor (no recompile per value)."""
+    """torchao's AdamW8bit, its compiled per-parameter update run on the local shards (torchao passes DTensors:
+    slower, and on CPU inductor's cache handed one rank's kernel, compiled for its shard's size, to another),
+    with the learning rate a plain number between steps (the schedule, the checkpoint's JSON and the loop read
+    it as one; the compiled update gets it as a tensor, so a new value does not recompile)."""
     from torchao.optim import AdamW8bit
+    from torchao.optim.adam import single_param_adam
 
     class ShardlmAdamW8bit(AdamW8bit):
         def __init__(self, *args: Any, **kw: Any):
@@ -496,16 +612,38 @@ def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimi
             for g in self.param_groups:
                 g["lr"] = float(g["lr"])
 
+        def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            """Quantized where every rank's shard can be (torchao decides per rank, from its own shard: the ranks
+            of one DTensor could hold 8-bit and fp32 pieces); small or odd-sized tensors stay fp32."""
+            pieces = [n * math.prod(p.shape[1:]) for n in _rows(p.shape[0], _shard_ranks(p))] if p.dim() else [1]
+            if all(n == 0 or (n >= 4096 and n % self.block_size == 0) for n in pieces):
+                return super()._new_buffer(p, signed)
+            return torch.zeros_like(p, memory_format=torch.preserve_format)
+
         @torch.no_grad()
         def step(self, closure=None):
-            rates = [g["lr"] for g in self.param_groups]
-            for g in self.param_groups:
-                g["lr"] = torch.tensor(float(g["lr"]))
-            try:
-                return super().step(closure)
-            finally:
-                for g, lr in zip(self.param_groups, rates, strict=True):
-                    g["lr"] = lr
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+            with torch._dynamo.utils.disable_cache_limit():  # one compile per shape, as torchao's own step
+                for group in self.param_groups:
+                    lr = torch.tensor(float(group["lr"]))
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        state = self.state[p]
+                        if not state:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                        state["step"] += 1
+                        update(_local(p).detach(), _local(p.grad), state["step"], _local(state["exp_avg"]),
+                               _local(state["exp_avg_sq"]), None, lr, group["betas"][0], group["betas"][1],
+                               group["weight_decay"], group["eps"], True,
+                               self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            return loss
 
     return ShardlmAdamW8bit(groups, **kwargs)
 
