@@ -2,10 +2,14 @@
 # its other dependencies are installed on top. Build and run (see docs/debugging.md):
 #   docker build -t shardlm .
 #   docker run --rm --gpus all --ipc=host -v "$PWD/runs:/workspace/runs" shardlm train configs/shakespeare_tiny.yaml
-# Another PyTorch image (torch >= 2.9, pyproject's bound; fp8 needs torchao's matching release):
-#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:<tag> -t shardlm .
-ARG BASE_IMAGE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
+# Build arguments:
+#   BASE_IMAGE  the PyTorch image (default: torch 2.11, what shardlm's GPU runs are measured on; fp8 needs
+#               torch >= 2.10 with torchao 0.17, so an older torch image loses parallel.precision=fp8)
+#   EXTRAS      shardlm's optional features installed (default: every one; `gpu,fp8` for a lean image)
+#   docker build --build-arg BASE_IMAGE=pytorch/pytorch:<tag> --build-arg EXTRAS=gpu,fp8 -t shardlm .
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
+ARG EXTRAS=gpu,fp8,optim,qlora,wandb,mlflow,sweep,lmeval,gen
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -16,7 +20,9 @@ ENV PYTHONUNBUFFERED=1 \
 # satisfies `torch>=...`, so pip keeps it (no second, multi-GB torch). tomllib: Python >= 3.11, as in every
 # PyTorch >= 2.5 image.
 COPY pyproject.toml /opt/shardlm/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/opt/shardlm/pyproject.toml', 'rb'))['project']['dependencies']))" \
+RUN python -c "import tomllib, os; p = tomllib.load(open('/opt/shardlm/pyproject.toml', 'rb'))['project']; \
+extras = [e for e in os.environ['EXTRAS'].split(',') if e]; \
+print('\n'.join(p['dependencies'] + [r for e in extras for r in p['optional-dependencies'][e]]))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

@@ -77,5 +77,5 @@ def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     assert stock["attn_mask"] is not None and stock["is_causal"] is False
     from transformers import AutoConfig
 
-    from shardlm.models.causal_lm import attention
+    from shardlm.models.attention import attention
     assert attention(AutoConfig.for_model("falcon")) == "sdpa"  # untested families (Falcon branches on the name)

@@ -162,6 +162,28 @@ def test_shardlm_configs_lists_each_bundled_config_in_one_line(capsys):
     assert all(line.endswith(first[line.split()[0]]) and line[-1] in ".)" for line in lines), lines
 
 
+# Hub datasets that are loading scripts, which datasets >= 4 refuses ("Dataset scripts are no longer supported")
+SCRIPT_DATASETS = {"Skylion007/openwebtext", "openwebtext", "bookcorpus", "the_pile", "EleutherAI/pile"}
+
+
+def test_bundled_configs_load_and_name_hub_datasets_current_datasets_reads():
+    """Every bundled config loads; each `hf:` source parses as REPO[/CONFIG][:SPLIT] with a repository id of
+    the Parquet era (OWNER/NAME, or a canonical name datasets redirects), never a loading-script dataset."""
+    from shardlm.config import bundled_configs
+    from shardlm.data.sources import parse_hf
+
+    specs = []
+    for name in bundled_configs():
+        data = load_config(name).data
+        specs += [s for s in (data.train if isinstance(data.train, list) else [data.train]) + [data.val]
+                  if isinstance(s, str) and s.startswith("hf:")]
+    assert specs  # the check checks something
+    for spec in specs:
+        repo, _, split = parse_hf(spec, "train")
+        assert repo not in SCRIPT_DATASETS and split in ("train", "validation", "test"), spec
+        assert repo.count("/") == 1 or repo == "wikitext", spec  # wikitext redirects to Salesforce/wikitext
+
+
 def test_lora_target_modules_all_linear_is_the_default_and_a_bare_name_is_refused():
     assert load_config(None, ["lora.target_modules=all-linear"]).lora.target_modules is None  # PEFT's keyword
     with pytest.raises(ShardlmError, match=r"lora.target_modules='q_proj': give a list .*\[q_proj,v_proj\]"):

@@ -19,7 +19,8 @@ from shardlm.data.formats import to_example
 from shardlm.data.packing import ExampleRows, best_fit_decreasing
 from shardlm.data.render import TemplateError, tokenize
 from shardlm.data.sources import resolve
-from shardlm.models.causal_lm import PACKING_FAMILIES, TESTED_FAMILIES, check_packing
+from shardlm.models.attention import PACKING_FAMILIES, TESTED_FAMILIES
+from shardlm.models.causal_lm import check_packing
 from shardlm.tokenizer import load_tokenizer, set_chat_template
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"

@@ -30,7 +30,7 @@ def test_prefetched_batches_equal_direct_ones(corpus, cache_dir, tmp_path):
 def test_no_host_sync_in_a_training_step(corpus, cache_dir, tmp_path):
     """On CUDA a step waits for nothing: the gradient norm is read one step late (train.sync_free_step), and
     transformers' mask builder, which asks the device whether position ids pack sequences once per eager
-    forward, is told that text blocks never do (causal_lm.skip_packing_probe)."""
+    forward, is told that text blocks never do (attention.skip_packing_probe)."""
     import warnings
 
     import torch

@@ -71,7 +71,7 @@ def test_text_rows_skip_transformers_packing_probe_and_packed_rows_keep_it(corpu
     """The probe waits for the device once per eager forward; text blocks never pack, examples do."""
     import transformers.masking_utils as masking
 
-    from shardlm.models.causal_lm import one_sequence_per_row
+    from shardlm.models.attention import one_sequence_per_row
 
     Trainer.from_config(load_config(None, tiny(corpus, cache_dir, tmp_path)))  # building a model installs it
     packed = torch.tensor([[0, 1, 2, 0, 1, 0]])

@@ -32,7 +32,7 @@ def test_wandb_offline_and_mlflow_get_metrics_params_summary_and_resume(corpus, 
     client = MlflowClient(tracking_uri=state["mlflow"]["tracking_uri"])
     run_id = state["mlflow"]["run_id"]
     run = client.get_run(run_id)
-    assert state["mlflow"]["tracking_uri"] == (out / "mlruns").resolve().as_uri()
+    assert state["mlflow"]["tracking_uri"] == f"sqlite:///{(out / 'mlflow.db').resolve()}"  # MLflow's default store
     assert run.info.run_name == "run" and run.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == [1, 2, 3, 4]
     assert [m.step for m in client.get_metric_history(run_id, "val/loss")] == [2, 4]
@@ -69,10 +69,18 @@ def test_a_crashed_run_is_marked_failed_in_mlflow(tmp_path, monkeypatch):
 
     from shardlm.observe.tracking import MlflowTracker, abandon_open
 
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # MLflow's default store needs no switch
     cfg = load_config(overrides=["log.mlflow=true", f"out_dir={tmp_path}"])
     tracker = MlflowTracker(cfg.log, tmp_path, {"train.lr": 0.1}, "crash")
-    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
     assert client.get_run(tracker.run_id).info.status == "RUNNING"
     abandon_open()  # = the atexit hook after an exception, and dist.shutdown's (os._exit skips atexit)
     assert client.get_run(tracker.run_id).info.status == "FAILED"
+
+
+def test_mlflow_writes_sqlite_in_the_run_folder_and_a_file_store_run_stays_there(tmp_path):
+    from shardlm.observe.tracking import mlflow_default_uri
+
+    assert mlflow_default_uri(tmp_path, None) == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    old = (tmp_path / "mlruns").resolve().as_uri()  # a run that began before SQLite was the default
+    assert mlflow_default_uri(tmp_path, old) == old

@@ -158,7 +158,7 @@ class LogConfig:
     project: str = "shardlm"  # W&B project / MLflow experiment
     run_name: str | None = None  # W&B / MLflow run name; None = the out_dir's folder name
     entity: str | None = None  # W&B team or user; None = your default
-    mlflow_uri: str | None = None  # MLflow tracking URI; None = a local file store in OUT_DIR/mlruns
+    mlflow_uri: str | None = None  # MLflow tracking URI; None = sqlite:///OUT_DIR/mlflow.db (MLflow's default store)
 
 
 @dataclass

@@ -92,9 +92,10 @@ def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int,
           positions: torch.Tensor | None = None) -> tuple[float, int, int]:
     kwargs = {} if positions is None else {"position_ids": positions}  # packed examples
     hidden = model.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state
-    head = model.get_output_embeddings()
-    loss, correct = linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets.flatten(), chunk,
-                                         getattr(head, "bias", None))
+    head, vocab = model.get_output_embeddings(), getattr(model.config, "tokenizer_size", None)
+    bias = getattr(head, "bias", None)  # model.vocab_multiple's padding rows are left out, as the export trims them
+    loss, correct = linear_cross_entropy(hidden.flatten(0, 1), head.weight[:vocab], targets.flatten(), chunk,
+                                         None if bias is None else bias[:vocab])
     return float(loss.item()), int(correct.item()), int((targets != IGNORE).sum())
 
 

@@ -129,21 +129,46 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
             model.config.n_ctx = positions  # llama.cpp's convert_hf_to_gguf.py still reads GPT-2's n_ctx
         if positions:
             tokenizer.model_max_length = positions  # not GPT-2's 1024: other tools cut prompts by it
-        # samples like `shardlm generate` (temperature 0.8, no top-k); never runs past the positions
+        trim_padded_vocabulary(model)
+        if getattr(model.config, "pad_token_id", None) is None:
+            model.config.pad_token_id = eos  # the same pad id in config.json and generation_config.json
+        # Ids and stops only: engines such as vLLM adopt generation_config.json's sampling as their defaults, so
+        # it sets none (transformers' greedy default; the card recommends shardlm generate's temperature 0.8)
         stops = sorted({eos, end_of_turn_id(tokenizer)})  # a chat model's answer ends at its end-of-turn token
         model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=stops if len(stops) > 1 else eos,
-                                                   pad_token_id=eos,
-                                                   do_sample=True, temperature=0.8, top_k=0,
-                                                   max_new_tokens=min(100, (positions or 200) // 2),
-                                                   suppress_tokens=padding_ids(model.config))  # vocab_multiple
+                                                   pad_token_id=model.config.pad_token_id)
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(str(tmp))
+        save_slow_tokenizer_files(tokenizer, tmp)
         write_card(tmp, model, _run_config(ckpt), ckpt, repo_id or str(out))
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShardlmError(f"export to '{out}' failed: {e.strerror or e}.") from None
     _replace(tmp, out)
     return out
+
+
+def trim_padded_vocabulary(model) -> None:
+    """Drop the rows `model.vocab_multiple` added (ids no tokenizer entry decodes): only transformers honours
+    `suppress_tokens`, and other engines sampled them (vLLM: 10 in 102,400 tokens of a lightly trained model),
+    decoding to nothing while using up tokens. The rows of real tokens, and so their logits, are unchanged."""
+    padding = padding_ids(model.config)
+    if not padding:
+        return
+    model.resize_token_embeddings(padding[0], mean_resizing=False)
+    model.config.vocab_size = padding[0]
+    if hasattr(model.config, "tokenizer_size"):
+        del model.config.tokenizer_size
+    model.generation_config.suppress_tokens = None
+
+
+def save_slow_tokenizer_files(tokenizer, folder: Path) -> None:
+    """A byte-level BPE tokenizer's `vocab.json` and `merges.txt` beside `tokenizer.json`: what readers that ask
+    for the slow GPT-2 tokenizer (`use_fast=False`, transformers 4, llama.cpp's converter) open."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if model is not None and type(model).__name__ == "BPE" and not (folder / "vocab.json").exists():
+        model.save(str(folder))
 
 
 # ---- the model card: README.md (+ loss.png) in every export folder -----------------------------------------
@@ -259,16 +284,18 @@ def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, im
     else:
         load = ["```python", "from transformers import pipeline", "",
                 f'generate = pipeline("text-generation", model="{model_id}")',
-                'print(generate("ROMEO:", max_new_tokens=100)[0]["generated_text"])  # samples (temperature 0.8)',
-                'print(generate("ROMEO:", max_new_tokens=100, do_sample=False)[0]["generated_text"])  # greedy', "```"]
+                'print(generate("ROMEO:", max_new_tokens=100, do_sample=True, temperature=0.8)[0]["generated_text"])',
+                'print(generate("ROMEO:", max_new_tokens=100)[0]["generated_text"])  # greedy', "```"]
     what = "A LoRA adapter" if adapter else "A causal language model"
     return "\n".join([*meta, f"# {Path(model_id).name}", "",
                       f"{what} {CARD_MARK} (PyTorch FSDP2).", "", "## Training", "",
                       *_table(card_rows(model, cfg, facts)), "",
                       *(["![training and validation loss](loss.png)", ""] if image else []),
                       "## How to use", "", *load, "",
-                      *([] if adapter else ["`generation_config.json` samples by default (temperature 0.8, like "
-                                            "`shardlm generate`).", ""]),
+                      *([] if adapter else ["`generation_config.json` holds the token ids and sets no sampling "
+                                            "(engines such as vLLM adopt it as their defaults): sampling at "
+                                            "temperature 0.8, as `shardlm generate`, is the recommended setting.",
+                                            ""]),
                       "## Limitations and license", "",
                       "A model of this size and training budget writes fluent-looking but unreliable text: it states "
                       "no facts you can trust, may repeat or reproduce its training data, and carries that data's "

@@ -74,9 +74,7 @@ def scale_rope(hf_cfg: Any, scaling: dict[str, Any]) -> None:
 
 def check_shapes(before: Any, after: Any, keys: list[str]) -> None:
     """Refuse overrides that change any pretrained weight's name or shape (both models built on meta)."""
-    from shardlm.models.causal_lm import empty_model
-
-    old, new = (shapes(empty_model(c, "meta")) for c in (before, after))
+    old, new = (shapes(c) for c in (before, after))
     if old == new:
         return
     changed = sorted(set(old.items()) ^ set(new.items()))
@@ -88,5 +86,14 @@ def check_shapes(before: Any, after: Any, keys: list[str]) -> None:
                        "settings, ...); train from scratch (model.name unset, model.arch) for another size.")
 
 
-def shapes(model: Any) -> dict[str, tuple[int, ...]]:
+def shapes(hf_cfg: Any) -> dict[str, tuple[int, ...]]:
+    """Every state-dict tensor's shape of the architecture, built on `meta` (nothing allocated)."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(hf_cfg, trust_remote_code=getattr(hf_cfg, "trust_remote_code", False))
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -32,6 +32,11 @@ def hf_name(name: str) -> str:
     return name.removeprefix(HF)
 
 
+def is_hf(name: str) -> bool:
+    """A CausalLM parameter or buffer name that belongs to the transformers model (not shardlm's own)."""
+    return name.startswith(HF)
+
+
 def checkpoint_key(hf_key: str) -> str:
     """The DCP key of a transformers state-dict key in a shardlm checkpoint."""
     return CHECKPOINT + hf_key

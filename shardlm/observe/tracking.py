@@ -85,6 +85,15 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
+def mlflow_default_uri(out_dir: Path, previous: str | None) -> str:
+    """MLflow's own default store since 3.x, SQLite, in the run folder: `mlflow ui --backend-store-uri
+    sqlite:///OUT_DIR/mlflow.db` reads it with no environment switch. A run that began on the old file store
+    (OUT_DIR/mlruns, before this default) keeps logging there, so its history stays in one place."""
+    if previous and previous.startswith("file:"):
+        return previous
+    return f"sqlite:///{Path(out_dir).resolve() / 'mlflow.db'}"
+
+
 class MlflowTracker(Tracker):
     def __init__(self, log_cfg: Any, out_dir: Path, params: dict[str, Any], run_name: str):
         _import("mlflow", "mlflow")
@@ -92,11 +101,11 @@ class MlflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         self._metric = Metric
-        uri = log_cfg.mlflow_uri or (Path(out_dir).resolve() / "mlruns").as_uri()
+        previous = read_state(out_dir).get("mlflow", {})
+        uri = log_cfg.mlflow_uri or mlflow_default_uri(out_dir, previous.get("tracking_uri"))
         if uri.startswith("file:"):  # MLflow 3 refuses its (maintenance-mode) file store without this opt-in
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
-        previous = read_state(out_dir).get("mlflow", {})
         if previous.get("run_id") and previous.get("tracking_uri") == uri:
             self.run_id = previous["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")

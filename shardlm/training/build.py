@@ -19,7 +19,7 @@ from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
 from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, check_packing, empty_model, initial_model, model_config
-from shardlm.models.state_keys import from_hf, hf_name
+from shardlm.models.state_keys import from_hf, hf_name, is_hf
 from shardlm.tokenizer import model_tokenizer
 from shardlm.training import optimizers
 from shardlm.training.preference import check_objective
@@ -83,7 +83,7 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
     full = from_hf(reference.state_dict()) if reference is not None else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
-        if not name.startswith("hf."):  # shardlm's own (a router's statistics): they start at zero
+        if not is_hf(name):  # shardlm's own (a router's statistics): they start at zero
             buf.zero_()
             continue
         if reference is not None:
