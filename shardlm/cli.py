@@ -129,10 +129,27 @@ def cmd_configs(_args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from shardlm.observe.plot import plot_runs
+    from shardlm.sweep.trial import is_sweep
 
+    if len(args.runs) == 1 and is_sweep(args.runs[0]):  # a sweep's folder: the study's figures
+        from shardlm.sweep.plot import plot_sweep
+
+        for path in plot_sweep(args.runs[0], args.out):
+            print(path)
+        return 0
     for path in plot_runs(args.runs, args.out):
         print(path)
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from shardlm.sweep.run import SweepOptions, require_optuna, run_sweep
+
+    require_optuna()
+    opts = SweepOptions(args.param, args.trials, args.nproc, args.metric, args.direction, args.pruner,
+                        args.pruner_startup, args.pruner_warmup, args.sampler, args.seed, args.enqueue, args.quiet,
+                        args.debug)
+    return run_sweep(*split_args(args.rest), opts)
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
@@ -175,6 +192,15 @@ TRAIN_EXAMPLES = """examples:
   shardlm train CONFIG --dry-run                     check config, data, model and plan; train nothing
   shardlm resume runs/short train.max_steps=200      continue a run from its saved config (or: train RUN_DIR)
 options, config files and key=value overrides mix in any order; later files and overrides win.
+"""
+
+
+SWEEP_EXAMPLES = """examples:
+  shardlm sweep shakespeare_tiny out_dir=runs/sweep --param train.lr=loguniform:1e-4:1e-2 \\
+      --param train.warmup_steps=int:0:200 --trials 20      20 runs in runs/sweep/trial_NNNN, bad ones pruned
+  shardlm sweep runs/sweep --trials 30                        continue it (an interrupted trial resumes)
+  shardlm plot runs/sweep                                     loss per trial, curves, parameter importance
+each trial is `shardlm train` with the values as overrides; the study is runs/sweep/study.db (Optuna).
 """
 
 
@@ -291,6 +317,29 @@ def parser() -> argparse.ArgumentParser:
              "  shardlm prepare data.train=corpus.parquet model.tokenizer=gpt2\n"
              "prints documents, tokens, MB/s and the cache folder of each; every core tokenizes.\n")
     config_args(pr)
+
+    sw = add("sweep", cmd_sweep, "hyperparameter search with Optuna: shardlm sweep [CONFIG] --param KEY=KIND:ARGS "
+             "... --trials N", SWEEP_EXAMPLES)
+    sw.add_argument("--param", action="append", default=[], metavar="KEY=KIND:ARGS",
+                    help="a config key and its distribution: loguniform:LOW:HIGH, uniform:LOW:HIGH[:STEP], "
+                         "int:LOW:HIGH[:STEP], logint:LOW:HIGH, choice:A,B,C; repeatable")
+    sw.add_argument("--trials", type=int, default=None,
+                    help="trials the study holds when done (default 20); a rerun adds trials up to this number")
+    sw.add_argument("--nproc", type=int, default=0, help="run each trial as N processes with torchrun")
+    sw.add_argument("--metric", default=None, help="validation metric to optimize (default loss)")
+    sw.add_argument("--direction", choices=["minimize", "maximize"], default=None,
+                    help="default: maximize accuracy-like metrics, minimize the others")
+    sw.add_argument("--pruner", default=None, help="median (default), hyperband or none")
+    sw.add_argument("--pruner-startup", type=int, default=None,
+                    help="median: trials completed before any is pruned (default 5)")
+    sw.add_argument("--pruner-warmup", type=int, default=None,
+                    help="steps before a trial may be pruned (default 0; hyperband: its minimum resource)")
+    sw.add_argument("--sampler", default=None, help="tpe (default: Optuna's TPE) or random")
+    sw.add_argument("--seed", type=int, default=None, help="the sampler's seed (default 0)")
+    sw.add_argument("--enqueue", action="append", default=[], metavar="KEY=V,KEY=V",
+                    help="try these values first (every --param named); repeatable")
+    sw.add_argument("--quiet", action="store_true", help="one line per trial; its output only in its train.log")
+    config_args(sw)
 
     es = add("estimate", cmd_estimate, "predict per-rank peak memory: shardlm estimate [CONFIG] [key=value]")
     es.add_argument("--world-sizes", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 4, 8],
