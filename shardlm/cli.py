@@ -64,7 +64,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         forwarded = [f"--callback={spec}" for spec in args.callback]  # each rank loads its own
         return launch(args.nproc, args.max_restarts, [*forwarded, *config, *overrides], args.debug)
     from shardlm.checkpoint import layout
-    from shardlm.train import train
+    from shardlm.runner import train
 
     saved = (Path(cfg.out_dir) / layout.CONFIG).resolve()  # `shardlm resume`: the run's own config was read
     train(cfg, callbacks=callbacks, continued=any(Path(c).resolve() == saved for c in config))

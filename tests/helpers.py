@@ -119,7 +119,7 @@ def lora_args(corpus: Path, cache_dir: Path, out: Path, base: Path, **extra) -> 
 
 def train_in_process(args: list[str]):
     from shardlm.config import load_config
-    from shardlm.train import train
+    from shardlm.runner import train
 
     return train(load_config(None, args))
 

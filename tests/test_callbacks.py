@@ -12,7 +12,7 @@ from helpers import tiny
 from shardlm import ShardlmError
 from shardlm.callbacks import Callback, load
 from shardlm.config import load_config
-from shardlm.train import train
+from shardlm.runner import train
 
 
 class Recorder(Callback):

@@ -215,7 +215,7 @@ def test_async_checkpoints_are_complete_and_resume(corpus, cache_dir, tmp_path):
 
 def test_disk_full_while_saving_keeps_earlier_checkpoints(corpus, cache_dir, tmp_path, monkeypatch):
     from shardlm.checkpoint import checkpointer as ckpt_mod
-    from shardlm.train import train
+    from shardlm.runner import train
 
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"checkpoint.every": 2, "train.max_steps": 6}))
     real_save, calls = ckpt_mod.dcp.save, []

@@ -20,7 +20,7 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(lora_bases, lora_runs, 
     from torch.distributed.checkpoint import FileSystemReader
 
     from shardlm.config import load_config
-    from shardlm.train import train
+    from shardlm.runner import train
     from shardlm.training.trainer import Trainer
 
     folders, digests = lora_bases

@@ -60,7 +60,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(lora_base
 
     # a QLoRA checkpoint resumes bit for bit and exports merged into the full-precision base
     from shardlm.inference.export import export
-    from shardlm.train import train
+    from shardlm.runner import train
 
     qlora = {"lora.quantize": "nf4", "train.max_steps": 4, "checkpoint.every": 0}
     whole, split = tmp_path / "whole", tmp_path / "split"

@@ -1,4 +1,5 @@
-"""`shardlm train`: build the run, resume if a checkpoint exists, fit, export, show a sample."""
+"""`shardlm train` (and `shardlm.train` from Python): build the run, resume if a checkpoint exists, fit, export, show a
+sample."""
 
 from __future__ import annotations
 
