@@ -110,7 +110,7 @@ def plot_sweep(out: str | Path, folder: str | Path | None = None) -> list[Path]:
     import optuna
 
     importances = optuna.importance.get_param_importances(study)
-    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * max(1, len(importances))))
+    fig, ax = plt.subplots(figsize=(6.5, 1.6 + 0.45 * len(importances)))
     names = list(importances)[::-1]
     ax.barh(names, [importances[n] for n in names])
     for y, n in enumerate(names):

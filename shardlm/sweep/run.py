@@ -209,6 +209,11 @@ def run_sweep(config: list[str], overrides: list[str], opts: SweepOptions) -> in
                 return 130
             _record(study, trial.number, outcome)
             print(_outcome_line(trial.number, outcome, study, definition), flush=True)
+            if outcome.get("signalled"):  # the trial ended just as the signal came: the sweep stops after it
+                print(f"sweep interrupted after trial {trial.number}. Rerun the same command (or `shardlm sweep "
+                      f"{out}`) to go on.", file=sys.stderr, flush=True)
+                print(table(study, params, definition), flush=True)
+                return 130
             failures = failures + [outcome["error"]] if outcome["state"] == "fail" else []
             if len(failures) >= FAILURES_IN_A_ROW:
                 print(table(study, params, definition), flush=True)
@@ -296,7 +301,7 @@ def run_trial(out: Path, study, number: int, values: dict[str, Any], opts: Sweep
     trial = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
     outcome = dict(trial.user_attrs.get("outcome") or {})
     if outcome:  # measured in the trial (a failure after its final validation does not undo it)
-        return outcome
+        return outcome | {"signalled": bool(received)}
     if received:
         return {"state": "interrupted"}
     if code == 0:  # nothing left to train (its last checkpoint was the final step): its final validation
