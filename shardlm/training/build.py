@@ -134,6 +134,28 @@ def describe_optimizer(run: Run) -> str:
     return optimizers.describe(run.optimizer, schedule.describe() if schedule is not None else None)
 
 
+def check_resumed_optimizer(cfg: Config, out: Path, dist: Dist) -> None:
+    """The checkpoint a run resumes holds its optimizer's state: another optimizer cannot load it (DCP would stop on
+    the first missing key, with a traceback)."""
+    from shardlm.checkpoint.layout import checkpoints_dir, read_config, resume_target
+
+    def saved() -> str:
+        path = resume_target(cfg.checkpoint.resume, checkpoints_dir(out), log=lambda _: None)
+        if path is None or not (path / "config.yaml").is_file():
+            return ""
+        return f"{read_config(path).train.optimizer}\t{path}"
+
+    found = dist.run_on_main(saved)
+    if not found:
+        return
+    old, path = found.split("\t", 1)
+    before, now = optimizers.optimizer_name(old), optimizers.optimizer_name(cfg.train.optimizer)
+    if before != now:
+        raise ShardlmError(f"checkpoint '{path}' holds the state of train.optimizer={before}, and this run asks for "
+                           f"{now}: resume with train.optimizer={before}, or start a new run from its weights "
+                           f"(shardlm export {path} DIR, then model.name=DIR).")
+
+
 def count_steps(cfg: Config, train: Blocks, world: int) -> int:
     """train.epochs counts the blocks of all sampled sources of a mixture together (weight 0: left out)."""
     t = cfg.train
@@ -156,6 +178,7 @@ def build(cfg: Config) -> Run:
     lora.check(cfg.lora, d.device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
     optimizers.check_optimizer(cfg)  # a misspelled optimizer or a missing library too
     out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
+    check_resumed_optimizer(cfg, out, d)
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)

@@ -229,13 +229,20 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's optimizer state as held: shards' local tensors, 8-bit codes with their scales."""
     from torch.distributed.tensor import DTensor
 
+    seen: set[tuple[int, int]] = set()  # storage shared by several states (a quantization map) counts once
+
     def nbytes(t: torch.Tensor) -> int:
         if isinstance(t, DTensor):
             return nbytes(t._local_tensor)
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # a tensor subclass: its inner tensors
             names, _ = t.__tensor_flatten__()
             return sum(nbytes(getattr(t, n)) for n in names)
-        return t.numel() * t.element_size()
+        size = t.numel() * t.element_size()
+        key = (t.data_ptr(), size)
+        if size and key in seen:
+            return 0
+        seen.add(key)
+        return size
 
     return sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
@@ -254,9 +261,11 @@ def state_bytes_estimate(cfg: Config, model: nn.Module, shard: int = 1) -> tuple
         return "SGD momentum (fp32, sharded)", 4 * total / shard
     if name == "adamw8bit":
         block = optimizer_args(cfg)["block_size"]
-        small = sum(p.numel() for p in params if p.numel() // shard < 4096 or (p.numel() // shard) % block)
+        small = [p.numel() // shard < 4096 or (p.numel() // shard) % block for p in params]
+        fp32 = sum(p.numel() for p, s in zip(params, small, strict=True) if s)
+        qmaps = 2 * 256 * 4 * small.count(False)  # each 8-bit state carries its 256-entry code book
         return ("8-bit AdamW state (2 x 8 bits + a scale per block, sharded)",
-                (2 * (1 + 4 / block) * (total - small) + 8 * small) / shard)
+                (2 * (1 + 4 / block) * (total - fp32) + 8 * fp32) / shard + qmaps)
     if name == "adafactor":  # a row and a column statistic per matrix, a full one per vector
         factored = sum(4 * (p.shape[-2] + p.shape[-1]) * (p.numel() // (p.shape[-2] * p.shape[-1]))
                        if p.dim() >= 2 else 4 * p.numel() for p in params)
@@ -319,7 +328,6 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype: torch.dtype | None = None  # None: bf16 on CUDA (as torch.optim.Muon), fp32 elsewhere
         self.configured = [{k: g[k] for k in defaults if k not in ("lr", "betas", "eps", "weight_decay")}
                            for g in self.param_groups]
-        self._plan: tuple | None = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The moments come back; Muon's settings stay this run's (the checkpoint's would override them)."""
@@ -439,17 +447,18 @@ class Muon(torch.optim.Optimizer):
         out = []
         for i in range(len(params)):
             out.append(per_owner[owner[i]].pop(0).view(rows[i][me], shapes[i][1]))
-        self._plan = (ranks, len(params), sum(math.prod(s) for s in shapes), dtype)
         return out
 
     def exchange_plan(self) -> str | None:
-        """What the sharded orthogonalization moves per step (known after the first step), for the header."""
-        if self._plan is None:
+        """What the sharded orthogonalization moves per step, for the run header (None without sharding)."""
+        sharded = [p for g in self.param_groups if g["use_muon"] for p in g["params"] if _shard_group(p) is not None]
+        if not sharded:
             return None
-        ranks, n, numel, dtype = self._plan
-        moved = 2 * (ranks - 1) / ranks * numel * torch.finfo(dtype).bits // 8
-        return (f"{n} matrices orthogonalized whole, shared among {ranks} ranks: {moved / 2**20:.1f} MiB moved per "
-                "step")
+        ranks, numel = _shard_ranks(sharded[0]), sum(p.numel() for p in sharded)
+        dtype = self._dtype(_local(sharded[0]).device)
+        moved = 2 * (ranks - 1) / ranks * numel * torch.finfo(dtype).bits / 8
+        return (f"{len(sharded)} matrices orthogonalized whole, shared among {ranks} ranks: "
+                f"{moved / 2**20:.2f} MiB of {dtype} exchanged per step ({moved / ranks / 2**20:.2f} MiB per rank)")
 
 
 def owners(shapes: list[tuple[int, ...]], ranks: int) -> list[int]:
