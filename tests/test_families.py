@@ -193,3 +193,26 @@ def test_pretrained_overrides_that_keep_shapes_apply_and_others_are_refused(fold
         config("qwen3", "data.seq_len=256")
     with pytest.raises(ShardlmError, match="model.rope_scaling needs type: one of linear, dynamic, yarn"):
         config("llama", "model.rope_scaling={type: ntk, factor: 2}")
+
+
+def test_moe_records_carry_the_router_loss_and_expert_load_and_plot_draws_them(folders, corpus, cache_dir, tmp_path,
+                                                                                 capsys):
+    from helpers import records
+    from shardlm.observe.plot import plot_runs
+    from shardlm.runner import train
+
+    overrides = [o for o in tiny(corpus, cache_dir, tmp_path / "run", **{
+        "model.name": folders["mixtral"], "train.max_steps": 4, "train.log_every": 2, "model.dropout": 0.0})
+        if o.split("=")[0] not in {"model.n_layer", "model.n_embd", "model.n_head", "model.n_positions"}]
+    train(load_config(None, [*overrides, "data.seq_len=32"]))
+    header = capsys.readouterr().out
+    assert "active per token (mixture of experts: " in header and "top-2 of 4)" in header, header
+    rec = [r for r in records(tmp_path / "run") if r["split"] == "train"]
+    assert [r["step"] for r in rec] == [2, 4]
+    for r in rec:
+        assert r["router_aux_loss"] >= 1.9  # top-2 of 4 experts: 2 when balanced, more when not
+        assert 0 <= r["expert_load_min"] <= 1 <= r["expert_load_max"] and r["expert_load_cv"] >= 0
+        assert len(r["expert_load_cv_by_layer"]) == 2
+        assert max(r["expert_load_cv_by_layer"]) == pytest.approx(r["expert_load_cv"], abs=1e-4)
+    drawn = {p.name for p in plot_runs([str(tmp_path / "run")], str(tmp_path / "plots"))}
+    assert {"expert_load.png", "router_aux_loss.png"} <= drawn
