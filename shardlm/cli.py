@@ -74,6 +74,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from shardlm.inference.evaluate import GenOptions, evaluate_path
 
+    if args.tasks is not None:  # lm-evaluation-harness on the run's export
+        from shardlm.inference.harness import run_harness
+
+        if args.stride or args.generation or args.exact_match:
+            raise ShardlmError("--tasks runs lm-eval's tasks alone: run --stride, --generation or --exact-match in a "
+                               "shardlm eval of their own.")
+        run_harness(args.path, args.tasks, args.overrides, args.limit, args.num_fewshot, args.include_path)
+        return 0
+
     gen = GenOptions(args.generation, args.featurizer, args.temperature, args.top_p, args.seed)
     evaluate_path(args.path, args.overrides, stride=args.stride, gen=gen, exact_match=args.exact_match)
     return 0
@@ -248,7 +257,8 @@ def parser() -> argparse.ArgumentParser:
 
     e = add("eval", cmd_eval, "evaluate a checkpoint, run dir or HF folder: shardlm eval PATH [data.val=...]",
             "examples:\n  shardlm eval runs/demo\n  shardlm eval runs/demo-hf data.val=valid.txt --stride 512\n"
-            "  shardlm eval runs/demo --generation 200   (+ generation quality; appended to metrics.jsonl)\n")
+            "  shardlm eval runs/demo --generation 200   (+ generation quality; appended to metrics.jsonl)\n"
+            "  shardlm eval runs/demo --tasks hellaswag,arc_easy --limit 200   (lm-evaluation-harness)\n")
     e.add_argument("path", help="a checkpoint (checkpoints/step_N), a run dir (its newest checkpoint) or an "
                                 "exported Hugging Face folder")
     e.add_argument("--stride", type=int, default=None, help="sliding-window perplexity with this stride")
@@ -265,6 +275,14 @@ def parser() -> argparse.ArgumentParser:
                    help="with --generation: sampling temperature (default 1.0: the model's own distribution)")
     e.add_argument("--top-p", type=float, default=1.0, help="with --generation: nucleus mass; 1.0 = off")
     e.add_argument("--seed", type=int, default=0, help="with --generation: the same seed gives the same numbers")
+    e.add_argument("--tasks", default=None, metavar="NAMES",
+                   help="run EleutherAI's lm-evaluation-harness tasks (comma-separated) on the model's export and "
+                        "record the scores in the run's metrics.jsonl (pip install shardlm[lmeval])")
+    e.add_argument("--limit", type=float, default=None,
+                   help="with --tasks: at most N examples per task (a fraction below 1: that share)")
+    e.add_argument("--num-fewshot", type=int, default=None, help="with --tasks: few-shot examples per prompt")
+    e.add_argument("--include-path", default=None, metavar="DIR",
+                   help="with --tasks: a folder of task YAMLs of your own (local data files work offline)")
     e.add_argument("overrides", nargs="*", metavar="key=value",
                    help="e.g. data.val=FILE (default: the run's validation data), data.seq_len=N")
 
