@@ -62,6 +62,8 @@ def plot_sweep(out: str | Path, folder: str | Path | None = None) -> list[Path]:
             best = t.value
         xs.append(t.number)
         ys.append(best)
+    if xs:  # the best so far runs on to the last trial
+        xs, ys = [*xs, max(t.number for t in trials)], [*ys, ys[-1]]
     ax.step(xs, ys, where="post", color="tab:green", label="best so far")
     ax.set(xlabel="trial", ylabel=metric, title=f"{out.name}: {metric} per trial")
     ax.legend()
