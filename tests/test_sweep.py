@@ -131,3 +131,6 @@ def test_a_tiny_sweep_prunes_resumes_and_plots(corpus, cache_dir, tmp_path, monk
     assert max(study.trials[1].intermediate_values) == 2  # pruned at its first validation
     for name in ("sweep_trials", "sweep_curves", "sweep_params", "sweep_importance"):
         assert (out / "plots" / f"{name}.png").stat().st_size > 1000
+    with pytest.raises(SystemExit) as e:  # `shardlm plot SWEEP_DIR` draws the study's figures
+        main(["plot", str(out), "--out", str(tmp_path / "figures")])
+    assert e.value.code == 0 and len(list((tmp_path / "figures").glob("sweep_*.png"))) == 4
