@@ -76,6 +76,20 @@ def test_sweep_errors_come_first_in_one_line(corpus, cache_dir, tmp_path, capsys
         assert not out.exists()
 
 
+def test_a_run_folder_or_a_busy_sweep_is_refused(corpus, cache_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("{}")
+    opts = SweepOptions(params=["train.weight_decay=uniform:0:0.1"])
+    with pytest.raises(ShardlmError, match="out_dir '.*run' is a training run: give the sweep a folder of its own"):
+        prepare([], tiny(corpus, cache_dir, run), opts)
+    from shardlm.sweep.run import _locked
+
+    (tmp_path / "sweep").mkdir()
+    with _locked(tmp_path / "sweep"), pytest.raises(ShardlmError, match="another shardlm sweep is running in"):
+        run_sweep([], tiny(corpus, cache_dir, tmp_path / "sweep"), opts)
+
+
 def test_trial_command_is_shardlm_train_with_the_callback(tmp_path):
     cmd = trial_command(tmp_path, 3, {"train.lr": 1e-3}, nproc=2, debug=False)
     assert cmd[1:5] == ["-m", "shardlm", "train", str(tmp_path / "base.yaml")]
