@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from shardlm import ShardlmError
+from shardlm.checkpoint import layout
 from shardlm.config import Config, build_config, load_config, parse_overrides, save_config, to_flat_dict
 from shardlm.sweep.space import Param, ends, override, parse_enqueued, parse_space
 from shardlm.sweep.trial import (
@@ -131,7 +132,7 @@ def prepare(config: list[str], overrides: list[str], opts: SweepOptions) -> tupl
     both = [p.key for p in params if p.key in fixed]
     if both:
         raise ShardlmError(f"{both[0]} is both a key=value override and a --param: drop one of them.")
-    if (out / "config.yaml").is_file() or (out / "checkpoints").is_dir():
+    if (out / layout.CONFIG).is_file() or (out / layout.CHECKPOINTS).is_dir():
         raise ShardlmError(f"out_dir '{out}' is a training run: give the sweep a folder of its own, e.g. "
                            f"out_dir={out}-sweep (its trials run in OUT_DIR/trial_NNNN).")
     if out.is_file():
@@ -321,7 +322,7 @@ def _term_with_parent() -> None:
 
 
 def _last_val(folder: Path) -> dict[str, Any] | None:
-    path = folder / "metrics.jsonl"
+    path = folder / layout.METRICS
     if not path.is_file():
         return None
     records = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("split") == "val"]
