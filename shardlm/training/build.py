@@ -137,11 +137,11 @@ def describe_optimizer(run: Run) -> str:
 def check_resumed_optimizer(cfg: Config, out: Path, dist: Dist) -> None:
     """The checkpoint a run resumes holds its optimizer's state: another optimizer cannot load it (DCP would stop on
     the first missing key, with a traceback)."""
-    from shardlm.checkpoint.layout import checkpoints_dir, read_config, resume_target
+    from shardlm.checkpoint.layout import CONFIG, checkpoints_dir, read_config, resume_target
 
     def saved() -> str:
         path = resume_target(cfg.checkpoint.resume, checkpoints_dir(out), log=lambda _: None)
-        if path is None or not (path / "config.yaml").is_file():
+        if path is None or not (path / CONFIG).is_file():
             return ""
         return f"{read_config(path).train.optimizer}\t{path}"
 
