@@ -148,3 +148,20 @@ def test_a_tiny_sweep_prunes_resumes_and_plots(corpus, cache_dir, tmp_path, monk
     with pytest.raises(SystemExit) as e:  # `shardlm plot SWEEP_DIR` draws the study's figures
         main(["plot", str(out), "--out", str(tmp_path / "figures")])
     assert e.value.code == 0 and len(list((tmp_path / "figures").glob("sweep_*.png"))) == 4
+
+
+def test_sweep_and_lm_eval_without_their_library_say_what_to_install(monkeypatch):
+    import importlib.util
+
+    from shardlm.inference import harness
+    from shardlm.sweep.run import require_optuna
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("optuna", "lm_eval")
+                        else real(name, *a))
+    with pytest.raises(ShardlmError, match=r"shardlm sweep runs Optuna, which is not installed: pip install "
+                                           r"'shardlm\[sweep\]'"):
+        require_optuna()
+    with pytest.raises(ShardlmError, match=r"lm-evaluation-harness, which is not installed: pip install "
+                                           r"'shardlm\[lmeval\]'"):
+        harness.require()
