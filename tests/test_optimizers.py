@@ -28,7 +28,7 @@ from shardlm.training.schedule import (
 OPTIMIZERS = {
     "muon": {},
     "adamw8bit": {"model.n_embd": 128, "model.vocab_multiple": 64},
-    "adafactor": {"train.lr": 1e-2},
+    "adafactor": {"train.lr": 0.1},  # relative to each weight's RMS (~0.02 here)
     "schedule_free_adamw": {},
     "sgd": {"train.lr": 0.3},
 }
@@ -218,7 +218,8 @@ def test_wsd_extended_before_and_after_its_decay(corpus, cache_dir, tmp_path, ke
     def args(out, steps, **extra):
         return tiny(corpus, cache_dir, out, **{"train.schedule": "wsd", "train.decay_fraction": 0.5,
                                                "train.decay_shape": "linear", "train.min_lr_ratio": 0.0,
-                                               "train.max_steps": steps, "checkpoint.every": 4, **extra})
+                                               "train.max_steps": steps, "checkpoint.every": 4, "checkpoint.keep": 5,
+                                               **extra})
 
     train_here(args(tmp_path / "first", 10))  # stable through step 4, decays over 5..10
     first = _lrs(tmp_path / "first")

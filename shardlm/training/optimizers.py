@@ -413,11 +413,13 @@ class Muon(torch.optim.Optimizer):
         shapes = [tuple(p.shape) for p in params]
         owner = owners(shapes, ranks)
         rows = [_rows(s[0], ranks) for s in shapes]
-        device = updates[0].device
+        home = updates[0].device
+        device = _comm_device(params[0], home)  # with CPU offload the shards are on the CPU, NCCL's buffers not
         dtype = self._dtype(device)
         mine = [i for i in range(len(params)) if owner[i] == me]
         # gather: to rank j goes my slice of every matrix j owns; from rank s comes s's slice of each of mine
-        send = [torch.cat([updates[i].reshape(-1).to(dtype) for i in range(len(params)) if owner[i] == j]
+        send = [torch.cat([updates[i].reshape(-1).to(device=device, dtype=dtype) for i in range(len(params))
+                           if owner[i] == j]
                           or [torch.empty(0, dtype=dtype, device=device)]) for j in range(ranks)]
         send_sizes = [t.numel() for t in send]
         recv_sizes = [sum(rows[i][s] * shapes[i][1] for i in mine) for s in range(ranks)]
@@ -446,7 +448,7 @@ class Muon(torch.optim.Optimizer):
                      for j, chunk in enumerate(returned.split(mine_sizes))]
         out = []
         for i in range(len(params)):
-            out.append(per_owner[owner[i]].pop(0).view(rows[i][me], shapes[i][1]))
+            out.append(per_owner[owner[i]].pop(0).view(rows[i][me], shapes[i][1]).to(home))
         return out
 
     def exchange_plan(self) -> str | None:
@@ -476,6 +478,14 @@ def owners(shapes: list[tuple[int, ...]], ranks: int) -> list[int]:
 def _ns_cost(shape: tuple[int, ...]) -> float:
     small, big = sorted(shape[:2])
     return float(small * small * big)
+
+
+def _comm_device(p: torch.Tensor, home: torch.device) -> torch.device:
+    """Where `p`'s collectives run: its mesh's device (CUDA for NCCL even when CPU offload keeps `p` on the CPU)."""
+    kind = getattr(getattr(p, "device_mesh", None), "device_type", home.type)
+    if kind == home.type:
+        return home
+    return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
 
 
 def _shard_ranks(p: torch.Tensor) -> int:
@@ -598,8 +608,10 @@ class Adafactor(torch.optim.Adafactor):
             if pg is not None:
                 by_group.setdefault(pg, []).append(i)
         for pg, idx in by_group.items():
-            flat = torch.cat([t for i in idx for t in pieces[i]])
+            home = pieces[idx[0]][0].device
+            flat = torch.cat([t for i in idx for t in pieces[i]]).to(_comm_device(params[idx[0]], home))
             torch.distributed.all_reduce(flat, group=pg)
+            flat = flat.to(home)
             parts = iter(flat.split([t.numel() for i in idx for t in pieces[i]]))
             for i in idx:
                 out[i] = [next(parts) for _ in pieces[i]]
@@ -639,6 +651,7 @@ def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimi
             with torch._dynamo.utils.disable_cache_limit():  # one compile per shape, as torchao's own step
                 for group in self.param_groups:
                     lr = torch.tensor(float(group["lr"]))
+                    plain: list[torch.Tensor] = []  # fp32 states (small tensors): torch's fused AdamW, no compile
                     for p in group["params"]:
                         if p.grad is None:
                             continue
@@ -647,12 +660,32 @@ def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimi
                             state["step"] = torch.tensor(0.0)
                             state["exp_avg"] = self._new_buffer(p, True)
                             state["exp_avg_sq"] = self._new_buffer(p, False)
+                        if type(_local(state["exp_avg"])) is torch.Tensor:
+                            plain.append(p)
+                            continue
                         state["step"] += 1
                         update(_local(p).detach(), _local(p.grad), state["step"], _local(state["exp_avg"]),
                                _local(state["exp_avg_sq"]), None, lr, group["betas"][0], group["betas"][1],
                                group["weight_decay"], group["eps"], True,
                                self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+                    if plain:
+                        self._plain_step(group, plain)
             return loss
+
+        def _plain_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+            from torch.optim.adamw import adamw
+
+            states = [self.state[p] for p in params]
+            device = _local(params[0]).device
+            fused = device.type in ("cpu", "cuda")
+            for st in states:  # the fused kernel reads the step count on the parameters' device
+                if fused and st["step"].device != device:
+                    st["step"] = st["step"].to(device)
+            adamw([_local(p) for p in params], [_local(p.grad) for p in params],  # type: ignore[arg-type]
+                  [_local(st["exp_avg"]) for st in states], [_local(st["exp_avg_sq"]) for st in states], [],
+                  [st["step"] for st in states], foreach=None if fused else True, fused=fused or None,
+                  amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=float(group["lr"]),
+                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, has_complex=False)
 
     return ShardlmAdamW8bit(groups, **kwargs)
 
