@@ -36,7 +36,8 @@ def test_model_card_has_data_steps_losses_config_and_loading(tmp_path):
                  "| tokens seen | 10,240 |", "| final train loss | 2.0000 (perplexity 7.39) at step 20 |",
                  "| final validation loss | 2.5000 (perplexity 12.18) at step 20 |", "trained from scratch",
                  "seq_len 32, batch 32 x grad_accum 1 x 2 rank(s), lr 0.001", "context 32, vocabulary 257",
-                 'pipeline("text-generation", model="me/tiny")', "do_sample=False", "![training and validation loss]",
+                 'pipeline("text-generation", model="me/tiny")', "do_sample=True, temperature=0.8",
+                 "# greedy", "![training and validation loss]",
                  "## Limitations and license"]:
         assert part in card, part
     assert (tmp_path / "loss.png").stat().st_size > 1000
