@@ -2,8 +2,7 @@
 
 Standard library only and deterministic: `python shardlm/assets/chat_tasks/make_pairs.py` rewrites both files
 byte for byte from train.jsonl and val.jsonl (run make.py first if those are missing); `make_pairs.py DIR` writes
-them to DIR instead. Every line is one pair
-in the conversational preference format that TRL's DPOTrainer reads,
+them to DIR instead. Every line is one pair in the conversational preference format that TRL's DPOTrainer reads,
 {"prompt": [messages], "chosen": [{"role": "assistant", ...}], "rejected": [{"role": "assistant", ...}]}:
 the prompt is a conversation's messages before its last assistant turn, chosen is that turn (the right answer)
 and rejected is a plausible wrong answer of the same task kind (a near miss: the input copied back, half done,
@@ -17,7 +16,6 @@ import json
 import random
 import re
 import string
-LOWER = string.ascii_lowercase
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -83,55 +81,6 @@ WRONG: dict[str, tuple[Callable[[random.Random, str, str], str], ...]] = {
     "repeat": (lambda r, x, y: x, lambda r, x, y: x * 3),
     "sort_digits": (lambda r, x, y: x, lambda r, x, y: _one_swap(r, y), lambda r, x, y: y[::-1]),
 }
-
-
-def _one_from(r: random.Random, s: str, pool: str) -> str:
-    """s with one character replaced by another one of `pool` (e.g. a letter of the input)."""
-    i = r.randrange(len(s))
-    others = sorted(set(pool) - {s[i]})
-    return s[:i] + r.choice(others) + s[i + 1:] if others else s
-
-
-def _digit_off_by_one(r: random.Random, s: str) -> str:
-    i = r.randrange(len(s))
-    d = int(s[i]) + r.choice((-1, 1))
-    return s[:i] + str(min(max(d, 0), 9)) + s[i + 1:]
-
-
-def _neighbour_doubled(r: random.Random, s: str) -> str:
-    """One character written over by its neighbour: '012446' -> '012466' (a digit doubled, one lost)."""
-    spots = [i for i in range(len(s) - 1) if s[i] != s[i + 1]]
-    if not spots:
-        return s
-    i = r.choice(spots)
-    return s[:i + 1] + s[i] + s[i + 2:] if r.random() < 0.5 else s[:i] + s[i + 1] + s[i + 1:]
-
-
-WRONG_B: dict[str, tuple[Callable[[random.Random, str, str], str], ...]] = {
-    "reverse": (lambda r, x, y: x, lambda r, x, y: _half_reversed(r, x), lambda r, x, y: _one_swap(r, y),
-                lambda r, x, y: _one_from(r, y, x)),
-    "uppercase": (lambda r, x, y: x, lambda r, x, y: _one_letter_wrong(r, y, string.ascii_uppercase),
-                  lambda r, x, y: _one_from(r, y, x)),
-    "add": (lambda r, x, y: str(int(y) + 1), lambda r, x, y: str(max(int(y) - 1, 0) if y != "0" else 1)),
-    "next_letter": (lambda r, x, y: x, lambda r, x, y: chr(ord(x) + 2) if x < "y" else chr(ord(x) - 1),
-                    lambda r, x, y: chr(ord(x) - 1) if x > "a" else "c"),
-    "repeat": (lambda r, x, y: x, lambda r, x, y: x * 3, lambda r, x, y: x + _one_letter_wrong(r, x, LOWER)),
-    "sort_digits": (lambda r, x, y: x, lambda r, x, y: _one_swap(r, y), lambda r, x, y: _digit_off_by_one(r, y),
-                    lambda r, x, y: _neighbour_doubled(r, y)),
-}
-
-
-def _other_input(name: str) -> Callable[[random.Random, str, str], str]:
-    """The right answer to another input of the task: the answer's form, not read from this prompt."""
-    draw, answer = TASKS[name][0], TASKS[name][1]
-    return lambda r, x, y: answer(draw(r))
-
-
-WRONG_C = {name: (_other_input(name),) for name in NAMES}
-WRONG_D = {name: WRONG_B[name] + (_other_input(name),) * len(WRONG_B[name]) for name in NAMES}
-import os  # noqa: E402
-if os.environ.get("PAIRS_VARIANT"):
-    WRONG = {"B": WRONG_B, "C": WRONG_C, "D": WRONG_D}[os.environ["PAIRS_VARIANT"]]
 
 
 def wrong_answer(r: random.Random, name: str, x: str, right: str) -> str:
