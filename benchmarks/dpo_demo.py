@@ -47,14 +47,23 @@ def exact_match(path: Path, heldout: int) -> dict:
             "heldout_answer_loss": result["loss"]}
 
 
+def cpu_name() -> str:
+    """`lscpu`'s Model name (else /proc/cpuinfo's, else platform's)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    if Path("/proc/cpuinfo").exists():
+        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), platform.processor())
+    return platform.processor()
+
+
 def machine() -> dict:
     import torch
 
-    cpu = platform.processor()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
@@ -67,6 +76,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value for the DPO run (configs/dpo_tiny.yaml)")
     args = ap.parse_args()
     load_before = [round(x, 2) for x in os.getloadavg()]
+    began = time.time()
     with tempfile.TemporaryDirectory(prefix="shardlm-dpo-demo-") as tmp:
         work = Path(args.keep or tmp).resolve()
         work.mkdir(parents=True, exist_ok=True)
@@ -94,10 +104,12 @@ def main() -> None:
     settings = {"train": {k: config["train"][k] for k in ("objective", "batch_size", "max_steps", "lr", "warmup_steps",
                                                           "weight_decay", "min_lr_ratio", "seed")},
                 "preference": config["preference"], "data": {k: config["data"][k] for k in ("train", "val", "seq_len")}}
-    out = {"benchmark": "dpo_demo", "configs": ["configs/chat_tiny.yaml", "configs/dpo_tiny.yaml"],
+    out = {"benchmark": "dpo_demo", "command": " ".join(["python", "benchmarks/dpo_demo.py", *sys.argv[1:]]),
+           "configs": ["configs/chat_tiny.yaml", "configs/dpo_tiny.yaml"],
            "sft_run": "trained here" if sft_seconds is not None else str(args.sft_run),
            "sft_train_seconds": sft_seconds,
            "dpo_overrides": args.overrides, "dpo_settings": settings, "dpo_train_seconds": dpo_seconds,
+           "wall_seconds": round(time.time() - began, 1),
            "before": before, "after": after,
            "exact_match_gain": round(after["exact_match"] - before["exact_match"], 4),
            "dpo_val": [pick(r) for r in val], "dpo_final_val_loss": val[-1]["loss"] if val else None,
