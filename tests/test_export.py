@@ -22,8 +22,9 @@ def test_export_generate_eval_round_trip(corpus, cache_dir, tmp_path):
     assert config["n_ctx"] == 32 and config["vocab_size"] == 257 and "tokenizer_size" not in config
     assert json.loads((hf / "tokenizer_config.json").read_text())["model_max_length"] == 32
     gen = json.loads((hf / "generation_config.json").read_text())  # ids, no sampling defaults for engines to adopt
-    assert {k: gen.get(k) for k in ("do_sample", "temperature", "max_new_tokens", "suppress_tokens")} == dict.fromkeys(
-        ("do_sample", "temperature", "max_new_tokens", "suppress_tokens"))
+    assert {k: gen.get(k) for k in ("do_sample", "temperature", "suppress_tokens")} == dict.fromkeys(
+        ("do_sample", "temperature", "suppress_tokens"))
+    assert gen["max_new_tokens"] == 16  # a 32-position model: half its context, not pipeline's 256
     assert gen["pad_token_id"] == config["pad_token_id"] == config["eos_token_id"] == 256
     prompt = "ROMEO:"
     from_ckpt = shardlm_cli(["generate", str(run), "--prompt", prompt, "--temperature", "0",

@@ -133,10 +133,13 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
         if getattr(model.config, "pad_token_id", None) is None:
             model.config.pad_token_id = eos  # the same pad id in config.json and generation_config.json
         # Ids and stops only: engines such as vLLM adopt generation_config.json's sampling as their defaults, so
-        # it sets none (transformers' greedy default; the card recommends shardlm generate's temperature 0.8)
+        # it sets none (transformers' greedy default; the card recommends shardlm generate's temperature 0.8).
+        # A model of a short context gets half of it as max_new_tokens: pipeline's default (256 new tokens)
+        # would run past its positions and fail.
         stops = sorted({eos, end_of_turn_id(tokenizer)})  # a chat model's answer ends at its end-of-turn token
+        short = {"max_new_tokens": positions // 2} if positions and positions < SHORT_CONTEXT else {}
         model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=stops if len(stops) > 1 else eos,
-                                                   pad_token_id=model.config.pad_token_id)
+                                                   pad_token_id=model.config.pad_token_id, **short)
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(str(tmp))
         save_slow_tokenizer_files(tokenizer, tmp)
@@ -146,6 +149,9 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
         raise ShardlmError(f"export to '{out}' failed: {e.strerror or e}.") from None
     _replace(tmp, out)
     return out
+
+
+SHORT_CONTEXT = 1024  # below it an export caps generation at half its positions
 
 
 def trim_padded_vocabulary(model) -> None:

@@ -141,6 +141,11 @@ def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None, l
     exact: list[bool] = []
     train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
     steps = count_steps(cfg, train, world)
+    from shardlm.training import optimizers
+    from shardlm.training.schedule import check_schedule
+
+    optimizers.check_optimizer(cfg)  # what the run would refuse before its first step
+    check_schedule(cfg.train, steps, optimizers.optimizer_name(cfg.train.optimizer))
     _check_generation(cfg, val)
     blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
     examples = _example_lines(train, tokenizer)

@@ -29,6 +29,7 @@ from shardlm.models.causal_lm import (
     num_params,
     transformer_blocks,
 )
+from shardlm.training.optimizers import state_bytes_estimate
 
 GB = 2**30
 # bitsandbytes NF4 with double quantization: 4 bits a weight, an 8-bit scale per block of 64 weights and an fp32
@@ -125,8 +126,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     comp["parameters (fp32, sharded)"] = 4 * (total - four_bit) / shard * on_device
     if four_bit:
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
-    comp["AdamW state (2 x fp32, sharded)" if trainable == total else "AdamW state (2 x fp32, sharded; adapters)"] = \
-        8 * trainable / shard * on_device
+    label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
+    comp[label if trainable == total else f"{label}; adapters"] = state * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
         held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor

@@ -25,7 +25,7 @@ from shardlm.models.moe import active_fraction, expert_params, router_record
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
 from shardlm.observe.metrics import MetricsLog, flops_per_token, held_out_words
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
-from shardlm.training.build import Run
+from shardlm.training.build import Run, describe_optimizer
 from shardlm.training.preference import STATS
 
 
@@ -80,6 +80,7 @@ def run_header(run: Run) -> str:
             f"{len(run.val):,} val blocks of {seq} tokens\n"
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}"
             + "".join(f"\n{line}" for line in describe(run.train))
+            + f"\n{describe_optimizer(run)}"
             + (f"\n{note}" if (note := task_defaults_note(cfg)) else ""))
 
 
