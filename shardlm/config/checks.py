@@ -22,15 +22,20 @@ from shardlm.config.schema import (
 from shardlm.config.suggest import nearest
 
 
-def _sharding_key(name: str) -> str:
+def choice_key(name: str) -> str:
+    """A choice as typed in any case, with or without `-` and `_`: how the alias tables spell their keys."""
     return name.lower().replace("-", "").replace("_", "")
+
+
+def canonical_choice(name: str, choices: tuple[str, ...], aliases: dict[str, str]) -> str | None:
+    """shardlm's name for a choice given in any case or under another trainer's name (`aliases`); None if none."""
+    key = choice_key(name)
+    return {choice_key(c): c for c in choices}.get(key) or aliases.get(key)
 
 
 def canonical_sharding(name: str) -> str:
     """shardlm's name for a sharding strategy given in any case, or as a ZeRO / FSDP1 name; else unchanged."""
-    canonical = {_sharding_key(s): s for s in SHARDINGS}
-    key = _sharding_key(name)
-    return canonical.get(key) or SHARDING_ALIASES.get(key, name)
+    return canonical_choice(name, SHARDINGS, SHARDING_ALIASES) or name
 
 
 def _positive(name: str, value: int | float, allow_zero: bool = False) -> None:

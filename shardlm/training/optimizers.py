@@ -35,11 +35,12 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import Config, nearest
+from shardlm.config.checks import canonical_choice
 from shardlm.distributed.parallelize import ShardLocalAdamW
 from shardlm.models.causal_lm import transformer_blocks
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit", "adafactor", "schedule_free_adamw", "sgd")
-# Other trainers' names (HF Trainer's `optim`, ...), keyed as `_key` spells them
+# Other trainers' names (HF Trainer's `optim`, ...), keyed as config.checks.choice_key spells them
 OPTIMIZER_ALIASES = {
     "adamwtorch": "adamw", "adamwtorchfused": "adamw", "adamwhf": "adamw", "adamwfused": "adamw",
     "adamwtorch8bit": "adamw8bit", "adamwtorchao8bit": "adamw8bit", "adamwbnb8bit": "adamw8bit",
@@ -62,14 +63,9 @@ INSTALL = {"adamw8bit": ("torchao", "pip install torchao (or pip install 'shardl
            "schedule_free_adamw": ("schedulefree", "pip install schedulefree (or pip install 'shardlm[optim]')")}
 
 
-def _key(name: str) -> str:
-    return name.lower().replace("-", "").replace("_", "")
-
-
 def optimizer_name(name: str) -> str:
     """`train.optimizer` as one of OPTIMIZERS: any case, with or without `_`, or another trainer's name."""
-    canonical = {_key(o): o for o in OPTIMIZERS}
-    found = canonical.get(_key(name)) or OPTIMIZER_ALIASES.get(_key(name))
+    found = canonical_choice(name, OPTIMIZERS, OPTIMIZER_ALIASES)
     if found is None:
         raise ShardlmError(f"train.optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}."
                            f"{nearest(name, OPTIMIZERS)} HF Trainer's names work too: adamw_torch, adamw_torch_fused, "
@@ -337,15 +333,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                (self._muon if group["use_muon"] else self._adamw)(group, params)
-        return loss
+        return step_groups(self, closure, lambda group, params: (self._muon if group["use_muon"] else self._adamw)(
+            group, params))
 
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """torch's AdamW (fused on CPU and CUDA) on the local shards, its state kept as DTensors like the params."""
@@ -521,6 +510,20 @@ def _placed_like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...], s
                               stride=stride)
 
 
+def step_groups(optimizer: torch.optim.Optimizer, closure, update) -> Any:
+    """torch.optim's step protocol: the closure's loss (gradients on), then `update(group, params)` for each
+    group's parameters that have a gradient."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            update(group, params)
+    return loss
+
+
 class Adafactor(torch.optim.Adafactor):
     """torch.optim.Adafactor's update (same formulas, same state names) on FSDP2's shards: the row statistic is
     sharded with the rows, the column statistic (a sum over all rows) and the norms the update reads are
@@ -529,15 +532,7 @@ class Adafactor(torch.optim.Adafactor):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                self._group_step(group, params)
-        return loss
+        return step_groups(self, closure, self._group_step)
 
     def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]

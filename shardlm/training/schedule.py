@@ -30,24 +30,20 @@ from typing import Any
 import torch
 
 from shardlm import ShardlmError
+from shardlm.config.checks import canonical_choice
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd", "inverse_sqrt")
 DECAY_SHAPES = ("1-sqrt", "linear", "cosine")
-# HF Trainer's lr_scheduler_type names, keyed as `_key` spells them
+# HF Trainer's lr_scheduler_type names, keyed as config.checks.choice_key spells them
 SCHEDULE_ALIASES = {"cosinewithminlr": "cosine", "constantwithwarmup": "constant", "warmupstabledecay": "wsd",
                     "inversesqrt": "inverse_sqrt", "rsqrt": "inverse_sqrt"}
-
-
-def _key(name: str) -> str:
-    return name.lower().replace("-", "").replace("_", "")
 
 
 def schedule_name(name: str, optimizer: str = "adamw") -> str:
     """`train.schedule` as one of SCHEDULES (any case, HF's names); `auto` is cosine, constant for schedule-free."""
     if name == "auto":
         return "constant" if optimizer == "schedule_free_adamw" else "cosine"
-    canonical = {_key(s): s for s in SCHEDULES}
-    found = canonical.get(_key(name)) or SCHEDULE_ALIASES.get(_key(name))
+    found = canonical_choice(name, SCHEDULES, SCHEDULE_ALIASES)
     if found is None:
         from shardlm.config.suggest import nearest
 
