@@ -121,6 +121,11 @@ def active_fraction(hf_config) -> float:
     return top_k / experts if experts > 1 and isinstance(top_k, int) else 1.0
 
 
+def idle_expert_params(model: nn.Module, hf_config) -> int:
+    """Routed-expert parameters one token does not run through: all of them x (1 - top_k / experts)."""
+    return round(expert_params(model) * (1 - active_fraction(hf_config)))
+
+
 def expert_params(model: nn.Module) -> int:
     """Parameters of the routed experts (named `...experts...`, shared experts excluded), each tensor once."""
     seen, total = set(), 0

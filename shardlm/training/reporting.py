@@ -21,7 +21,7 @@ from shardlm.data import describe
 from shardlm.distributed import xla
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
-from shardlm.models.moe import active_fraction, expert_params, router_record
+from shardlm.models.moe import active_fraction, expert_params, idle_expert_params, router_record
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
 from shardlm.observe.metrics import MetricsLog, flops_per_token, held_out_words
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
@@ -40,16 +40,15 @@ def model_flops_per_token(run: Run, causal: bool = False) -> float:
     hf = run.hf_config
     layers = getattr(hf, "n_layer", getattr(hf, "num_hidden_layers", 0))
     width = getattr(hf, "n_embd", getattr(hf, "hidden_size", 0))
-    idle = round(expert_params(run.model) * (1 - active_fraction(hf)))
-    return flops_per_token(num_params(run.model, exclude_embeddings=True) - idle, layers, width,
+    active = num_params(run.model, exclude_embeddings=True) - idle_expert_params(run.model, hf)
+    return flops_per_token(active, layers, width,
                            run.cfg.data.seq_len, causal)
 
 
 def _params(run: Run) -> str:
     trainable, total = lora.count(run.model)
     if (share := active_fraction(run.hf_config)) < 1:
-        routed = expert_params(run.model)
-        active = total - round(routed * (1 - share))
+        routed, active = expert_params(run.model), total - idle_expert_params(run.model, run.hf_config)
         return (f"{total / 1e6:.2f}M parameters, {active / 1e6:.2f}M active per token (mixture of experts: "
                 f"{routed / 1e6:.2f}M in routed experts, top-{run.hf_config.num_experts_per_tok} of "
                 f"{round(run.hf_config.num_experts_per_tok / share)})"
