@@ -17,6 +17,7 @@ The variants (GPT-2 124M, seq 1024, micro-batch 32, vocabulary padded to 64, com
   fsdp1_grad_op   the same with parallel.sharding=grad_op
   xl_bf16         GPT-2 XL (1558M), micro-batch 8
   xl_fp8          the same in fp8
+  xl_b16          GPT-2 XL at micro-batch 16, bf16 (the 50% MFU goal: a larger batch feeds the matmuls more)
   hf              HF Trainer (torch_compile, SDPA, the same padding, batch and data): its tokens/s
   b64             micro-batch 64 with today's defaults (train.loss_chunk_size null: the plain compiled loss)
 Before the list: the device, driver, CUDA, cuDNN, torch and transformers versions as the first line.
@@ -63,6 +64,7 @@ def variants(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
                               torchrun=True)),
         ("xl_bf16", mfu(a.xl, a.xl_batch, NEW)),
         ("xl_fp8", mfu(a.xl, a.xl_batch, NEW) + ["--precision", "fp8"]),
+        ("xl_b16", mfu(a.xl, 2 * a.xl_batch, NEW)),
         ("hf", hf),
         ("b64", mfu(a.size, 2 * a.batch, NEW)),
     ]
