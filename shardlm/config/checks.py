@@ -57,7 +57,7 @@ def validate(cfg: Config) -> None:
         ("data.truncation", cfg.data.truncation, TRUNCATIONS),
         ("data.on_bad_example", cfg.data.on_bad_example, ON_BAD_EXAMPLE),
         ("train.objective", cfg.train.objective, ("sft", "dpo", "ipo", "simpo", "orpo")),
-        ("preference.reference", cfg.preference.reference, ("precomputed",)),
+        ("preference.reference", cfg.preference.reference, ("precomputed", "live")),
     ):
         if value not in choices:
             raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{nearest(value, choices)}"

@@ -120,7 +120,7 @@ class PreferenceConfig:
     beta: float = 0.1  # dpo/ipo: how strongly the reference holds the policy; simpo/orpo: the reward scale (TRL's)
     label_smoothing: float = 0.0  # dpo/simpo: the chance a pair's labels are flipped (conservative DPO); 0 = off
     gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
-    reference: str = "precomputed"  # dpo/ipo: its log-probabilities computed once before training, beside the cache
+    reference: str = "precomputed"  # dpo/ipo: precomputed (scored once, stored beside the cache) | live (each step)
 
 
 @dataclass

@@ -246,7 +246,8 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
     trainer = Trainer(run)
     assert trainer.preference is not None
     if trainer.preference.needs_reference:
-        trainer.preference.reference = prepare_reference(trainer)
+        # a live reference's run stored nothing: the initial model scores the pairs now, in memory
+        trainer.preference.reference = prepare_reference(trainer, store=cfg.preference.reference != "live")
     initial.hf.load_state_dict(model.state_dict())
     return trainer.evaluate() | {"held_out_tokens": rows.target_tokens}
 

@@ -22,7 +22,9 @@ Design:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -200,6 +202,24 @@ def apply(hf_model: PreTrainedModel, lc: LoraConfig, seed: int | None = None) ->
 def is_adapter_key(key: str) -> bool:
     """A parameter / state-dict key of a LoRA adapter weight (`...lora_A.default.weight`, `lora_B`, ...)."""
     return ".lora_" in key
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within it, `model` computes its base alone: every LoRA layer skips its adapters (what PEFT's
+    `PeftModel.disable_adapter()` does, here without the wrapper shardlm drops). The flag is set directly, not
+    through `enable_adapters`, which also switches the adapters' requires_grad (FSDP2's sharded parameters)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    before = [m.disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, off in zip(layers, before, strict=True):
+            m._disable_adapters = off
 
 
 def adapter_state(state: dict) -> dict:

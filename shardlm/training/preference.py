@@ -12,10 +12,18 @@ rank a share, and the log-probabilities are stored beside the example cache as `
 initial model's identity (the base's file hashes, or a scratch model's config and seed). A resumed run reads
 them back; if the base changed they are not found, and the run says so instead of training against another
 reference.
+
+`preference.reference: live` scores each micro-batch's pairs in the step instead (no_grad, before the policy's
+forward), for data too large to score ahead; nothing is stored. With LoRA the reference is the policy itself with
+its adapters off (shardlm.models.lora.adapters_off): no second copy. Otherwise it is a frozen copy of the initial
+model, built once by build_model as the policy was (the same parallelize, so sharded alike under FSDP). A resumed
+run rebuilds it from the initial weights; the run's state records their identity, and a resume onto other
+initial weights is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,6 +36,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.checkpoint.provenance import arch_of, base_identity
 from shardlm.data import Batch, ExampleRows, MixtureBlocks, eval_shares
+from shardlm.models import lora
 from shardlm.models.preference import REFERENCE_FREE, pair_losses
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected")
@@ -49,15 +58,65 @@ class Preference:
     def __init__(self, cfg, device: torch.device):
         self.objective, self.p, self.device = cfg.train.objective, cfg.preference, device
         self.needs_reference = self.objective not in REFERENCE_FREE
-        self.reference: dict[str, torch.Tensor] = {}  # split -> (units, 2) log-probabilities
+        self.live = self.needs_reference and cfg.preference.reference == "live"
+        self.reference: dict[str, torch.Tensor] = {}  # split -> (units, 2) log-probabilities (precomputed)
+        self.frozen: torch.nn.Module | None = None  # live without LoRA: the frozen initial model
+        self.key: str | None = None  # live: the initial model's identity, kept in the run's state
+        self.resumed_key: str | None = None  # ... as the resumed checkpoint recorded it
+        self.ready = not self.needs_reference
+
+    def prepare(self, trainer) -> None:
+        """Once, before the first step or validation: the precomputed values, or the live reference."""
+        if self.ready or self.reference:  # (shardlm eval sets the values itself)
+            self.ready = True
+            return
+        if not self.live:
+            self.reference = prepare_reference(trainer)
+        else:
+            run = trainer.run
+            self.key = initial_key(run)
+            if self.resumed_key is not None and self.resumed_key != self.key:
+                raise ShardlmError("preference.reference=live rebuilds the model this run started from, but "
+                                   f"model.name={run.cfg.model.name} with train.seed={run.cfg.train.seed} is not it "
+                                   "(the base's files or the seed changed since). Resume with the original base "
+                                   "and seed, or start over with checkpoint.resume=none.")
+            if lora.enabled(run.cfg.lora):
+                trainer.dist.print("reference: live, the policy with its LoRA adapters off (no second copy)")
+            else:
+                self.frozen = frozen_reference(run)
+        self.ready = True
+
+    def state(self) -> dict:
+        """What the run's state keeps of the reference: the initial model's identity, in live mode."""
+        key = self.key or self.resumed_key
+        return {"reference_key": key} if self.live and key else {}
+
+    @torch.no_grad()
+    def live_logps(self, model, batch: Batch, sequences: int) -> torch.Tensor:
+        """(pairs, 2): the reference's log-probabilities of this micro-batch, in eval mode as precomputed ones."""
+        ref = self.frozen if self.frozen is not None else model
+        training = ref.training
+        if training:
+            ref.eval()
+        with contextlib.nullcontext() if self.frozen is not None else lora.adapters_off(ref):
+            logps, _ = ref(batch.inputs, batch.targets, batch.positions, batch.segments, sequences)
+        if training:
+            ref.train()
+        if self.frozen is not None:
+            reshard(self.frozen)
+        return logps.detach().float().view(-1, 2)
 
     def loss(self, model, batch: Batch, split: str, weights: torch.Tensor | None = None):
         """(sum of pair losses, sum of chosen answers' token NLL (ORPO; else 0), statistics sums [6], pairs)."""
         assert batch.segments is not None and batch.units is not None
         n = len(batch.units)
+        ref = None
+        if self.reference:
+            ref = self.reference[split][batch.units]
+        elif self.live:  # before the policy's forward: FSDP2 then sees one forward, and its backward
+            ref = self.live_logps(model, batch, 2 * n)
         logps, counts = model(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * n)
         chosen, rejected = logps[0::2], logps[1::2]
-        ref = self.reference[split][batch.units] if self.needs_reference else None
         out = pair_losses(self.objective, chosen, rejected, counts[0::2], counts[1::2],
                           None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
                           self.p.beta, self.p.label_smoothing, self.p.gamma)
@@ -67,6 +126,36 @@ class Preference:
                              (chosen.detach() * w).sum(), (rejected.detach() * w).sum()])
         nll = -(chosen * w).sum() if self.objective == "orpo" else torch.zeros((), device=chosen.device)
         return (out.losses * w).sum(), nll, stats, w.sum()
+
+
+def frozen_reference(run) -> torch.nn.Module:
+    """The initial model again, built as the policy was (build_model: the same weights, precision and
+    parallelize, so sharded alike), frozen in eval mode. The global RNG is left as it was."""
+    import dataclasses
+
+    from shardlm.models.causal_lm import num_params
+    from shardlm.training.build import build_model
+
+    cfg, dist = run.cfg, run.dist
+    # no activation checkpointing: it saves nothing without a backward
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=False))
+    devices = [dist.device.index or 0] if dist.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        model = build_model(cfg, run.hf_config, run.plan, dist)
+    model.requires_grad_(False)
+    model.eval()
+    dist.print(f"reference: live, a frozen copy of the initial model ({num_params(model):,} parameters"
+               f"{', sharded as the policy' if run.plan.use_fsdp else ''})")
+    return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """FSDP2 keeps some units gathered after a forward (for the backward that follows): a frozen model has none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def check_objective(cfg, train, val) -> None:
@@ -85,14 +174,24 @@ def chosen_targets(rows: ExampleRows, indices: np.ndarray) -> int:
     return int(sum(rows.unit_targets[rows.rows[r], 0].sum() for r in np.asarray(indices, dtype=np.int64)))
 
 
-def reference_key(run) -> str:
-    """The initial model's identity (a pretrained base's files, or a scratch model's config and seed) and what
-    cuts the answers it scored (each side gets seq_len / 2 tokens: a shorter seq_len scores other sequences)."""
-    m, d = run.cfg.model, run.cfg.data
-    ident: Any = base_identity(m.name).get("weights_sha256") if m.name else \
+def _initial_identity(run) -> Any:
+    m = run.cfg.model
+    return base_identity(m.name).get("weights_sha256") if m.name else \
         {"scratch": arch_of(run.hf_config), "seed": run.cfg.train.seed}
-    blob = json.dumps([ident, m.name, run.cfg.parallel.precision, d.seq_len, d.truncation], sort_keys=True,
-                      default=str)
+
+
+def initial_key(run) -> str:
+    """The initial model's identity (a pretrained base's files, or a scratch model's config and seed)."""
+    blob = json.dumps([_initial_identity(run), run.cfg.model.name], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def reference_key(run) -> str:
+    """The initial model's identity and what cuts the answers it scored (each side gets seq_len / 2 tokens: a
+    shorter seq_len scores other sequences)."""
+    m, d = run.cfg.model, run.cfg.data
+    blob = json.dumps([_initial_identity(run), m.name, run.cfg.parallel.precision, d.seq_len, d.truncation],
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -114,9 +213,9 @@ def score_all(model, rows: ExampleRows, dist, batch: int, autocast) -> np.ndarra
     return out.cpu().numpy()
 
 
-def prepare_reference(trainer) -> dict[str, torch.Tensor]:
+def prepare_reference(trainer, store: bool = True) -> dict[str, torch.Tensor]:
     """The reference's log-probabilities of the training and validation pairs: read from beside the cache, or
-    (before the first step) computed with the initial model and stored there.
+    (before the first step) computed with the initial model and stored there (`store=False`: only computed).
 
     One file per example set: validation held out as the tail of the training pairs shares the training pairs'
     file, which then holds the scores of both splits' pairs. A pair never scored is NaN there; a file whose
@@ -132,16 +231,16 @@ def prepare_reference(trainer) -> dict[str, torch.Tensor]:
             continue
         sharing = [rows, *(r for s, r in splits.items()
                            if s != split and r.examples is rows.examples and r is not rows)]
-        values = _reference_values(trainer, key, sharing)
+        values = _reference_values(trainer, key, sharing, store)
         arrays[split] = torch.from_numpy(values).float().to(dist.device)
     return arrays
 
 
-def _reference_values(trainer, key: str, splits: list[ExampleRows]) -> np.ndarray:
+def _reference_values(trainer, key: str, splits: list[ExampleRows], store: bool = True) -> np.ndarray:
     """(pairs of the example set, 2): the file's values, with the splits' pairs it lacks scored first."""
     run, dist, examples = trainer.run, trainer.dist, splits[0].examples
     folder = examples.meta.get("folder")
-    path = Path(folder) / f"reference-{key}.npy" if folder else None
+    path = Path(folder) / f"reference-{key}.npy" if folder and store else None
     found = path is not None and path.is_file()
     values = np.load(path) if path is not None and found else np.full((len(examples), 2), np.nan)
     for rows in splits:

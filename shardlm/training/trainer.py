@@ -36,7 +36,7 @@ from shardlm.observe.hardware import peak_flops
 from shardlm.observe.metrics import eval_summary
 from shardlm.training import reporting
 from shardlm.training.build import Run, build
-from shardlm.training.preference import STATS, Preference, chosen_targets, pair_rows, prepare_reference
+from shardlm.training.preference import STATS, Preference, chosen_targets, pair_rows
 from shardlm.training.schedule import ScheduleState
 from shardlm.training.update import LateRead, fused_clip_step, supports_sync_free
 
@@ -86,13 +86,16 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "position": self.position, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
-                "callbacks": self.callbacks.state_dict(), "data_blocks": [len(self.run.train), len(self.run.val)]}
+                "callbacks": self.callbacks.state_dict(), "data_blocks": [len(self.run.train), len(self.run.val)],
+                **(self.preference.state() if self.preference else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The data stream continues at the saved position even when the global batch changed."""
         self.step, self.position = state["step"], state["position"]
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
         self.callbacks.load_state_dict(state.get("callbacks", {}))
+        if self.preference is not None:  # live: the identity of the initial model it rebuilds, checked then
+            self.preference.resumed_key = state.get("reference_key")
         blocks = [len(self.run.train), len(self.run.val)]
         if state.get("data_blocks", blocks) != blocks:
             (tr, va), (tr2, va2) = state["data_blocks"], blocks
@@ -279,8 +282,8 @@ class Trainer:
         """A preference step's micro-batches: (global pairs, this rank's loss sum as pairs x loss, stat sums)."""
         assert self.preference is not None
         rows = pair_rows(self.run.train, "training")
-        if self.preference.needs_reference and not self.preference.reference:
-            self.preference.reference = prepare_reference(self)
+        if not self.preference.ready:
+            self.preference.prepare(self)
             self.model.train()
         step_rows = self.sampler.indices(self.position, self.global_batch)
         pairs, chosen = max(1, rows.units(step_rows)), max(1, chosen_targets(rows, step_rows))
@@ -335,8 +338,7 @@ class Trainer:
         """The preference loss and statistics over the validation pairs (padding rows weigh nothing)."""
         assert self.preference is not None
         rows = pair_rows(self.run.val, "validation")
-        if self.preference.needs_reference and not self.preference.reference:
-            self.preference.reference = prepare_reference(self)
+        self.preference.prepare(self)
         self.model.eval()
         sums = torch.zeros(3 + len(STATS), device=self.device, dtype=torch.float64)  # pair loss, nll, pairs, stats
         chosen = scored = 0
