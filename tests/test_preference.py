@@ -97,8 +97,12 @@ def dpo_one(pairs_file, cache_dir, tmp_path_factory):
 
 
 def test_dpo_two_ranks_train_what_one_process_trains_and_report_rewards(dpo_one, pairs_file, cache_dir, tmp_path):
-    shardlm_cli(pair_args(pairs_file, cache_dir, tmp_path, **{"train.batch_size": 1, "train.grad_accum": 2,
-                                                              "train.eval_every": 3}), nproc=2)
+    """The 2 ranks score against a live reference (a frozen copy of the initial model, sharded by FSDP2 as the
+    policy is): the numbers of the one process's precomputed reference."""
+    proc = shardlm_cli(pair_args(pairs_file, cache_dir, tmp_path, **{
+        "train.batch_size": 1, "train.grad_accum": 2, "train.eval_every": 3, "preference.reference": "live"}), nproc=2)
+    assert "reference: live, a frozen copy of the initial model (35,808 parameters, sharded as the policy)" in \
+        proc.stdout + proc.stderr
     got, want = records(tmp_path), records(dpo_one)
     assert len(got) == len(want) == 6
     assert got[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # the policy is the reference at step 0
@@ -126,6 +130,19 @@ def test_dpo_resume_is_exact_and_a_lost_reference_is_an_error(dpo_one, pairs_fil
     finally:
         for r in moved:
             r.rename(r.with_suffix(".npy"))
+
+
+def test_a_live_reference_resumes_exactly(dpo_one, pairs_file, cache_dir, tmp_path):
+    """A resumed live run rebuilds the reference from the initial weights: the precomputed run's losses. Its
+    state records their identity: a resume that would rebuild other weights (here another seed) is refused."""
+    args = pair_args(pairs_file, cache_dir, tmp_path, **{"train.batch_size": 4, "train.eval_every": 3,
+                                                         "checkpoint.every": 3, "preference.reference": "live"})
+    assert shardlm_cli([*args, fault("KillAfterSave(3)")], check=False).returncode != 0
+    shardlm_cli(args)
+    got, want = by_step(tmp_path), by_step(dpo_one)
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), rel=1e-5)
+    proc = shardlm_cli([*args, "train.max_steps=8", "train.seed=7"], check=False)  # another initial model
+    assert proc.returncode == 2 and "preference.reference=live rebuilds the model this run started from" in proc.stderr
 
 
 def test_the_stored_reference_is_the_models_own_log_probabilities(pairs_file, cache_dir, tmp_path):
@@ -170,6 +187,8 @@ def test_eval_scores_a_dpo_run_as_its_validation_did(dpo_one, capsys):
     assert (got["pairs"], got["tokens"]) == (want["pairs"], want["tokens"])
     for key in ("loss", "accuracy", *STATS):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+    live = evaluate_path(str(dpo_one), ["preference.reference=live"])  # scored in memory: the same numbers
+    assert live["loss"] == pytest.approx(got["loss"], rel=1e-5)
     with pytest.raises(ShardlmError, match="the next-token loss does not score"):
         evaluate_path(str(dpo_one), ["train.objective=sft"])
     with pytest.raises(ShardlmError, match="--exact-match score text or answers"):
@@ -213,7 +232,8 @@ def test_identical_sides_are_counted_and_sft_on_pairs_is_refused(tmp_path, cache
 
 def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path):
     """With LoRA the reference is the base with the adapters off: at the first step the adapters add nothing, so
-    the precomputed reference of a LoRA run equals the base model's own scores (no second copy of the weights)."""
+    the precomputed reference of a LoRA run equals the base model's own scores (no second copy of the weights).
+    The live reference turns the adapters off: once they have moved, it still gives the base's scores."""
     from test_families import make_folder
 
     from shardlm.config import load_config
@@ -224,8 +244,72 @@ def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path
     scores = []
     for lora in ({}, {"lora.r": 4, "lora.alpha": 8}):
         args = pair_args(pairs_file, cache_dir, tmp_path / f"run{len(scores)}", **{
-            "model.name": base, "model.chat_template": "plain", "data.seq_len": 64, **lora})[1:]
+            "model.name": base, "model.chat_template": "plain", "data.seq_len": 64, "preference.reference": "live",
+            **lora})[1:]
         t = Trainer.from_config(load_config(None, [a for a in args if not a.startswith("model.n_")]))
         scores.append(score_all(t.model, t.run.train, t.dist, 4, t.autocast))
     assert np.count_nonzero(scores[0]) > 20
     assert np.allclose(scores[0], scores[1], rtol=1e-5, atol=1e-5)
+
+    t.preference.prepare(t)
+    assert t.preference.frozen is None  # no copy: the policy itself, adapters off
+    with torch.no_grad():
+        for name, p in t.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    t.model.train()
+    batch = t.run.train.batch(np.arange(6))
+    live = t.preference.live_logps(t.model, batch, 2 * len(batch.units)).double().numpy()
+    assert np.allclose(live, scores[0][batch.units.numpy()], rtol=1e-5, atol=1e-5)
+    assert t.model.training  # and the adapters back on: the policy's own scores moved
+    with torch.no_grad():
+        policy, _ = t.model(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * len(batch.units))
+    assert not np.allclose(policy.view(-1, 2).double().numpy(), live, rtol=1e-3, atol=1e-3)
+
+
+def _three_steps(args):
+    """Losses and statistics of 3 training steps, then a validation, of a run built in this process."""
+    from shardlm.config import load_config
+    from shardlm.training.trainer import Trainer
+
+    trainer = Trainer.from_config(load_config(None, args))
+    steps = [trainer.train_step() for _ in range(3)]
+    trainer.settle()
+    got = [[float(s["loss_sum"]), s["grad_norm"], *s["stats"].tolist()] for s in steps]
+    return trainer, np.array(got), trainer.evaluate()
+
+
+def test_a_live_reference_trains_what_the_precomputed_one_does(pairs_file, cache_dir, tmp_path):
+    """preference.reference=live (a frozen copy of the initial model scoring each micro-batch in the step) gives
+    the precomputed reference's losses, gradient norms, rewards and validation, and stores nothing."""
+    from shardlm.training.preference import Preference
+
+    extra = {"train.batch_size": 4, "train.grad_accum": 2, "train.eval_batches": 2}
+    _, want, want_val = _three_steps(pair_args(pairs_file, cache_dir, tmp_path / "pre", **extra)[1:])
+    live_cache = tmp_path / "cache"
+    trainer, got, got_val = _three_steps(pair_args(pairs_file, live_cache, tmp_path / "live", **{
+        **extra, "preference.reference": "live"})[1:])
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert got_val["loss"] == pytest.approx(want_val["loss"], rel=1e-5)
+    assert got_val["rewards/margin"] == pytest.approx(want_val["rewards/margin"], rel=1e-5, abs=1e-7)
+    frozen = trainer.preference.frozen
+    assert frozen is not None and not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+    assert not list(live_cache.glob("**/reference-*.npy"))  # nothing beside the cache
+    state = trainer.state_dict()
+    assert state["reference_key"] == trainer.preference.key  # a resume checks it rebuilds this initial model
+    resumed = Preference(trainer.cfg, trainer.device)
+    resumed.resumed_key = "another base or seed"  # as a resume onto other initial weights reads it
+    with pytest.raises(ShardlmError, match="preference.reference=live rebuilds the model this run started from"):
+        resumed.prepare(trainer)
+
+
+def load_config_of(args):
+    from shardlm.config import load_config
+
+    return load_config(None, args)
+
+
+def test_a_bad_reference_mode_is_refused():
+    with pytest.raises(ShardlmError, match=r"preference.reference='livee' is not one of precomputed, live\. "
+                                           r"Did you mean 'live'\?"):
+        load_config_of(["preference.reference=livee"])
