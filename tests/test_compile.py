@@ -41,9 +41,11 @@ def test_whole_model_compiles_to_one_graph_with_eager_losses(corpus, cache_dir, 
     pairs = [(compiled.train_step()["loss_sum"].item(), eager.train_step()["loss_sum"].item()) for _ in range(3)]
     assert all(c == pytest.approx(e, rel=fp32_tol(1e-4)) for c, e in pairs), pairs
     # embeddings, blocks, final norm and the chunked loss in one graph: no breaks, no recompiles (on CUDA the
-    # chunked loss runs eager, a torch 2.11 inductor workaround in parallel.py: the one break is there)
-    breaks = sum(counters["graph_break"].values()) if compiled.device.type == "cuda" else 0
-    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == breaks <= 1, (
+    # chunked loss runs eager, a torch 2.11 inductor workaround in parallel.py: the one break is there; dynamo
+    # counts it once per frame it unwinds, so the reasons are counted, not the events)
+    allowed = {"linear_cross_entropy"} if compiled.device.type == "cuda" else set()
+    reasons = {r for r in counters["graph_break"] if not any(name in r for name in allowed)}
+    assert counters["stats"]["unique_graphs"] == 1 and not reasons and len(counters["graph_break"]) <= len(allowed), (
         dict(counters["stats"]), dict(counters["graph_break"]), dict(counters["recompiles"]))
 
 

@@ -78,8 +78,7 @@ class CausalLM(nn.Module):
         `segments` (preference pairs), instead the summed log-probability of the targets of each of `sequences`
         sequences, and their target counts."""
         kwargs = {} if positions is None else {"position_ids": positions}
-        with one_sequence_per_row(positions is None):
-            return self._forward(tokens, targets, positions, segments, sequences, kwargs)
+        return self._forward(tokens, targets, positions, segments, sequences, kwargs)
 
     def _forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
                  segments: torch.Tensor | None, sequences: int, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,13 +86,15 @@ class CausalLM(nn.Module):
         if routed:
             kwargs = {**kwargs, "output_router_logits": True}
         if self.full_logits:
-            out = self.hf(input_ids=tokens, use_cache=False, **kwargs)
+            with one_sequence_per_row(positions is None):  # the model call only: a graph break inside a
+                out = self.hf(input_ids=tokens, use_cache=False, **kwargs)  # context manager drops the frame
             if segments is not None:
                 return sequence_logps(out.logits.flatten(0, 1), targets.flatten(), segments.flatten(), sequences)
             logits = out.logits if self.training or not self.vocab else out.logits[..., :self.vocab]
             loss = logits_cross_entropy(logits.flatten(0, 1), targets.flatten(), with_accuracy=not self.training)
             return self._with_router_loss(loss, out, targets) if routed else loss
-        out = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs)
+        with one_sequence_per_row(positions is None):
+            out = self.hf.base_model(input_ids=tokens, use_cache=False, **kwargs)
         loss = self._head_loss(out.last_hidden_state.flatten(0, 1), targets.flatten(), positions, segments, sequences)
         return self._with_router_loss(loss, out, targets) if routed else loss
 
