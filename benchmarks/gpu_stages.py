@@ -120,12 +120,13 @@ def build_trainer(size: str, tokenizer: str, z: Sizes, compile_: str = "false"):
 # ---- stages: each returns {"ok", "summary", ...figures} ---------------------------------------------------
 def stage_tests(z: Sizes) -> dict:
     proc = run([sys.executable, "-m", "pytest", *z.pytest, "-p", "no:cacheprovider", "-p", "no:warnings", "-o",
-                "addopts=-q", "--tb=short", "-rf"])
+                "addopts=-q", "--tb=short", "-rfs"])
     counts = {key.rstrip("s"): int(n) for n, key in re.findall(r"(\d+) (passed|failed|errors?|skipped)", proc.stdout)}
     ok = proc.returncode == 0 and counts.get("passed", 0) > 0
     line = next((x for x in reversed(proc.stdout.splitlines()) if " in " in x and "passed" in x), "")
     why = [x for x in proc.stdout.splitlines() if x.startswith(("E ", "FAILED", "ERROR"))]  # the assertions
-    return {"ok": ok, "summary": line.strip("= "), **counts,
+    skipped = [x[len("SKIPPED "):] for x in proc.stdout.splitlines() if x.startswith("SKIPPED ")]  # which, and why
+    return {"ok": ok, "summary": line.strip("= "), **counts, **({"skipped_tests": skipped} if skipped else {}),
             **({} if ok else {"error": "\n".join(why)[-3000:] or tail(proc)})}
 
 
