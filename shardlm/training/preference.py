@@ -55,7 +55,8 @@ def pair_rows(blocks, what: str) -> ExampleRows:
 class Preference:
     """The objective of a run on pairs: per-micro-batch losses and statistics, and the reference's values."""
 
-    def __init__(self, cfg, device: torch.device):
+    def __init__(self, cfg, device: torch.device, build_model=None):
+        self.build_model = build_model  # live without LoRA: how the policy was built (shardlm.training.build's)
         self.objective, self.p, self.device = cfg.train.objective, cfg.preference, device
         self.needs_reference = self.objective not in REFERENCE_FREE
         self.live = self.needs_reference and cfg.preference.reference == "live"
@@ -83,7 +84,7 @@ class Preference:
             if lora.enabled(run.cfg.lora):
                 trainer.dist.print("reference: live, the policy with its LoRA adapters off (no second copy)")
             else:
-                self.frozen = frozen_reference(run)
+                self.frozen = frozen_reference(run, self.build_model)
         self.ready = True
 
     def state(self) -> dict:
@@ -128,13 +129,12 @@ class Preference:
         return (out.losses * w).sum(), nll, stats, w.sum()
 
 
-def frozen_reference(run) -> torch.nn.Module:
+def frozen_reference(run, build_model) -> torch.nn.Module:
     """The initial model again, built as the policy was (build_model: the same weights, precision and
     parallelize, so sharded alike), frozen in eval mode. The global RNG is left as it was."""
     import dataclasses
 
     from shardlm.models.causal_lm import num_params
-    from shardlm.training.build import build_model
 
     cfg, dist = run.cfg, run.dist
     # no activation checkpointing: it saves nothing without a backward

@@ -35,7 +35,7 @@ from shardlm.models.fp8 import after_optimizer_step
 from shardlm.observe.hardware import peak_flops
 from shardlm.observe.metrics import eval_summary
 from shardlm.training import reporting
-from shardlm.training.build import Run, build
+from shardlm.training.build import Run, build, build_model
 from shardlm.training.preference import STATS, Preference, chosen_targets, pair_rows
 from shardlm.training.schedule import ScheduleState
 from shardlm.training.update import LateRead, fused_clip_step, supports_sync_free
@@ -67,7 +67,7 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
-        self.preference = Preference(self.cfg, self.device) if t.objective != "sft" else None
+        self.preference = Preference(self.cfg, self.device, build_model) if t.objective != "sft" else None
         # The step's gradient norm is read on the host one step late (training.update); CPU offload reads it
         # on the host anyway, and fp16's GradScaler owns grad_scale / found_inf.
         self.sync_free = (t.sync_free_step and self.scaler is None and not self.cfg.parallel.cpu_offload
