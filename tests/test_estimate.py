@@ -42,3 +42,14 @@ def test_lora_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path
     trainer = Trainer.from_config(cfg)
     trainer.train_step()
     assert estimate(cfg, trainer.run.tokenizer).peak_bytes == pytest.approx(measure_step_peak(trainer), rel=0.15)
+
+
+def test_a_live_reference_without_lora_counts_one_more_model():
+    from shardlm.tokenizer import load_tokenizer
+
+    base = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.seq_len=32", "train.objective=dpo"]
+    tok = load_tokenizer("bytes")
+    pre, live = (estimate(load_config(None, [*base, f"preference.reference={mode}"]), tok)
+                 for mode in ("precomputed", "live"))
+    extra = live.components.pop("live reference (frozen copy of the initial model)")
+    assert extra == 4 * pre.parameters and live.components == pre.components

@@ -128,6 +128,9 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
     label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
     comp[label if trainable == total else f"{label}; adapters"] = state * on_device
+    if cfg.train.objective in ("dpo", "ipo") and cfg.preference.reference == "live" and not lora.enabled(cfg.lora):
+        # a frozen copy of the initial model, built (and sharded) as the policy; with LoRA the base serves
+        comp["live reference (frozen copy of the initial model)"] = 4 * (total - four_bit) / shard * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
         held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
