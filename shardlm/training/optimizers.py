@@ -8,19 +8,8 @@
     schedule_free_adamw  the `schedulefree` package's AdamWScheduleFree: no decay horizon (train.schedule constant)
     sgd                  torch.optim.SGD with momentum 0.9
 
-Muon under FSDP2. Each rank holds a slice of rows of every matrix, but Newton-Schulz needs the whole matrix.
-The matrices are divided among the ranks of the shard group (balanced by their Newton-Schulz cost); one
-all-to-all brings each matrix's slices to its owner, each rank orthogonalizes its own matrices, and a second
-all-to-all brings every rank its slice of each result. So a step computes each matrix once (not once per rank)
-and moves 2 x (ranks - 1) / ranks of the matrices' bytes in all: two thirds of what FSDP2's own all-gathers
-and reduce-scatter move for them per step in fp32, a third when they travel in bf16 (on CUDA, where
-Newton-Schulz runs in bf16 as torch.optim.Muon's does; on CPU it runs in fp32). The result equals one
-process's to rounding (tests/test_optimizers.py: 2 ranks = 1 process to 1e-4 over 20 steps).
-
-Schedule-free AdamW keeps its evaluation weights x apart from the point y where gradients are taken. Here the
-parameters hold x between steps (so evaluation, checkpoints, exports and the final model are x) and y only from
-the first forward of a training step to the end of its update (`ScheduleFreeAdamW`): no call in the loop has to
-know, and a resume restores x and z, from which y follows exactly as in the run that saved them.
+How Muon runs on FSDP2's shards: shardlm.training.muon; the wrappers of Adafactor, torchao's AdamW8bit and
+schedulefree (and how schedule-free AdamW keeps x and y): shardlm.training.optimizer_variants.
 """
 
 from __future__ import annotations
