@@ -51,6 +51,18 @@ def shardlm_overrides(s: dict, data: str, extra: list[str]) -> list[str]:
             "out_dir=/tmp/shardlm-bench-run", *extra]
 
 
+def example_run_overrides(s: dict, folder: Path, work: Path, steps: int, data: list[str]) -> list[str]:
+    """shardlm's side of a comparison with TRL (benchmarks/sft.py, preference.py: the settings `s`) on the model in
+    `folder`: `data` (the files and their handling), then AdamW (0.9, 0.95) without decay, clip 1, fp32, nothing
+    but the steps (no evaluation, sample, TensorBoard or final checkpoint)."""
+    return [f"model.name={folder}", *data, f"data.seq_len={s['seq']}", f"data.cache_dir={work / 'shardlm-cache'}",
+            f"train.batch_size={s['batch']}", f"train.max_steps={steps}", f"train.lr={s['lr']}",
+            f"train.warmup_steps={s['lr_warmup']}", "train.weight_decay=0.0", "train.beta1=0.9", "train.beta2=0.95",
+            "train.grad_clip=1.0", f"train.seed={s['seed']}", "train.eval_batches=0", "train.eval_every=0",
+            "train.sample_tokens=0", "parallel.precision=fp32", "log.tensorboard=false", "log.progress=none",
+            "checkpoint.save_final=false", f"out_dir={work / 'shardlm-run'}"]
+
+
 class HFBlocks:
     """shardlm's blocks in shardlm's order as an HF Trainer dataset (HF shifts the labels inside the model)."""
 

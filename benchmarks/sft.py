@@ -43,7 +43,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from common import ROOT, tail
+from common import ROOT, example_run_overrides, tail
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks"
 CHATML = ROOT / "tests" / "data" / "chat_templates" / "chatml.jinja"
@@ -86,14 +86,9 @@ def shardlm_trainer(s: dict, folder: Path, work: Path, steps: int):
     from shardlm.config import load_config
     from shardlm.training.trainer import Trainer
 
-    overrides = [f"model.name={folder}", f"data.train={DATA / 'train.jsonl'}", f"data.val={DATA / 'val.jsonl'}",
-                 "data.format=auto", "data.packing=true", "data.train_on_prompt=false", f"data.seq_len={s['seq']}",
-                 f"data.cache_dir={work / 'shardlm-cache'}", f"train.batch_size={s['batch']}",
-                 f"train.max_steps={steps}", f"train.lr={s['lr']}", f"train.warmup_steps={s['lr_warmup']}",
-                 "train.weight_decay=0.0", "train.beta1=0.9", "train.beta2=0.95", "train.grad_clip=1.0",
-                 f"train.seed={s['seed']}", "train.eval_batches=0", "train.eval_every=0", "train.sample_tokens=0",
-                 "parallel.precision=fp32", "log.tensorboard=false", "log.progress=none",
-                 "checkpoint.save_final=false", f"out_dir={work / 'shardlm-run'}"]
+    overrides = example_run_overrides(s, folder, work, steps, [
+        f"data.train={DATA / 'train.jsonl'}", f"data.val={DATA / 'val.jsonl'}", "data.format=auto",
+        "data.packing=true", "data.train_on_prompt=false"])
     return Trainer.from_config(load_config(None, overrides))
 
 
