@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, cpu_name
 
 
 def shardlm(*args: str) -> str:
@@ -57,8 +56,7 @@ def main() -> None:
                 "answers_only": train_and_score(Path(tmp) / "answers", args.steps, args.heldout, []),
                 "whole_example": train_and_score(Path(tmp) / "whole", args.steps, args.heldout,
                                                  ["data.train_on_prompt=true"])}
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = cpu_name()
     import torch
 
     out = {"benchmark": "chat_demo", "config": "configs/chat_tiny.yaml", "machine": {

@@ -7,6 +7,7 @@ A script runs as `python benchmarks/NAME.py` (or under torchrun), which puts thi
 
 from __future__ import annotations
 
+import platform
 import subprocess
 from pathlib import Path
 
@@ -18,6 +19,20 @@ DEFAULT_DATA = str(DATA if DATA.is_file() else "shakespeare")
 DATA_HELP = ("training text (default: ../shared/data/wikitext-2/train.txt where it exists, else the bundled Tiny "
              "Shakespeare: shakespeare)")
 SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
+
+
+def cpu_name() -> str:
+    """The processor's name for a benchmark's record: `lscpu`'s Model name, else /proc/cpuinfo's, else platform's."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        pass
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        return next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines()
+                     if line.startswith("model name")), platform.processor())
+    return platform.processor()
 
 
 def dims(size: str) -> tuple[int, int, int]:

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, cpu_name
 
 COMMON = ["model.n_layer=4", "model.n_embd=256", "model.n_head=4", "model.tokenizer=bytes", "data.train=shakespeare",
           "data.seq_len=128", "train.batch_size=8", "train.lr=3e-3", "train.warmup_steps=10", "train.eval_every=0",
@@ -75,8 +74,7 @@ def main() -> None:
         runs = {name: train(name, extra, a.steps, Path(tmp)) for name, extra in (("moe", MOE), ("dense", DENSE))}
     for name, extra in (("moe", MOE), ("dense", DENSE)):
         runs[name]["step_peak_gib"] = step_peak(extra)
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     result = {"benchmark": "moe", "date": datetime.date.today().isoformat(), "device": f"{cpu} (CPU)",
               "torch": torch.__version__, "command": " ".join(["python", "benchmarks/moe.py", *sys.argv[1:]]),
               "moe": MOE, "dense": DENSE, "common": COMMON, "steps": a.steps, "runs": runs}

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from common import ROOT
+from common import ROOT, cpu_name
 
 RUNS = {  # name: overrides (each optimizer at its usual learning rate; Adafactor's is relative to each weight's RMS)
     "adamw": ["train.optimizer=adamw"],
@@ -127,9 +125,8 @@ def main() -> int:
         r["state_ratio"] = round(r["state_bytes"] / ref["state_bytes"], 3)
         r.update({k: round(v, 4) for k, v in times[name].items()})
         r["step_time_vs_adamw"] = round(times[name]["step_s"] / times["adamw"]["step_s"], 3)
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
     result = {"benchmark": "optimizers", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "machine": " ".join(cpu.split()[2:]) or platform.processor(), "threads": torch.get_num_threads(),
+              "machine": cpu_name(), "threads": torch.get_num_threads(),
               "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
               "settings": {**{k: v for k, v in vars(a).items() if k not in ("out", "work")},
                            "base_overrides": base(a, Path(a.work) / "NAME"), "runs": RUNS},

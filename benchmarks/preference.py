@@ -55,7 +55,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from common import ROOT, example_run_overrides, tail
+from common import ROOT, cpu_name, example_run_overrides, tail
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks"
 CHATML = ROOT / "tests" / "data" / "chat_templates" / "chatml.jinja"
@@ -369,9 +369,7 @@ def machine(threads: int) -> dict:
     import transformers
     import trl
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
             "load_average_at_end": list(os.getloadavg()), "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version()}
 

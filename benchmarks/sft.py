@@ -43,7 +43,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from common import ROOT, example_run_overrides, tail
+from common import ROOT, cpu_name, example_run_overrides, tail
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks"
 CHATML = ROOT / "tests" / "data" / "chat_templates" / "chatml.jinja"
@@ -290,9 +290,7 @@ def machine() -> dict:
     import transformers
     import trl
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "load_average_1m_at_end": os.getloadavg()[0], "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version()}
 
