@@ -16,7 +16,8 @@ answer equals the conversation's reference answer after trimming whitespace). Th
 This is rejection-sampling ("best-of-n") DPO: the pairs move probability toward answers the model already
 reaches sometimes and away from the ones it gives instead, so greedy accuracy (pass@1) moves toward pass@n.
 It writes OUT_DIR/pairs_train.jsonl and OUT_DIR/pairs_val.jsonl (TRL's conversational preference format, as
-the bundled chat_pairs) and OUT_DIR/pairs_stats.json: counts, and pass@1 (greedy) and pass@n per task on the
+the bundled chat_pairs), the answers they were drawn from (samples_train.jsonl, samples_val.jsonl) and
+OUT_DIR/pairs_stats.json: counts, and pass@1 (greedy) and pass@n per task on the
 training prompts and on the first `--heldout` held-out prompts (chat_tasks_heldout; scored, never paired),
 which is the ceiling preference tuning on such pairs aims at.
 """
@@ -60,10 +61,11 @@ def answers(model, tok, prompts: list[list[dict]], samples: int, temperature: fl
     stop, pad = end_of_turn_id(tok), pad_id(tok)
     out = []
     for first in range(0, len(prompts), batch):
-        ids = [list(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-               for p in prompts[first:first + batch]]
+        ids = [list(tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]) for p in prompts[first:first + batch]]
         greedy = generate_batch(model, ids, max_new_tokens, stop, temperature=0.0, pad=pad)
-        sampled = generate_batch(model, ids, max_new_tokens, stop, temperature=temperature, num_samples=samples, pad=pad)
+        sampled = generate_batch(model, ids, max_new_tokens, stop, temperature=temperature, num_samples=samples,
+                                 pad=pad)
         for [g], s in zip(greedy, sampled, strict=True):
             out.append((tok.decode(g, skip_special_tokens=True), [tok.decode(a, skip_special_tokens=True) for a in s]))
         print(f"sampled {first + len(ids)}/{len(prompts)} prompts", file=sys.stderr, flush=True)
@@ -74,7 +76,7 @@ def right(answer: str, reference: str) -> bool:
     return Scored("", reference, answer).exact
 
 
-def make_pairs(rows, got) -> tuple[list[dict], dict]:
+def make_pairs(rows, got, per_prompt: int = 1) -> tuple[list[dict], dict]:
     pairs, stats = [], collections.Counter()
     for (prompt, reference, task), (greedy, sampled) in zip(rows, got, strict=True):
         good = [a for a in sampled if right(a, reference)]
@@ -93,9 +95,12 @@ def make_pairs(rows, got) -> tuple[list[dict], dict]:
         else:  # greedy wrong but empty, every sample right or empty
             stats["no_wrong_sample"] += 1
             continue
-        stats[f"pairs_{task}"] += 1
-        pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": good[0].strip()}],
-                      "rejected": [{"role": "assistant", "content": rejected}]})
+        # further pairs: the next most frequent distinct wrong answers, against the same right one
+        others = [a for a, _ in collections.Counter(bad).most_common() if a != rejected][:per_prompt - 1]
+        for wrong in (rejected, *others):
+            stats[f"pairs_{task}"] += 1
+            pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": good[0].strip()}],
+                          "rejected": [{"role": "assistant", "content": wrong}]})
     stats["pairs"] = len(pairs)
     return pairs, dict(sorted(stats.items()))
 
@@ -111,8 +116,8 @@ def pass_at(rows, got) -> dict:
         return round(sum(x[k] for x in xs) / max(len(xs), 1), 4)
 
     return {"prompts": len(every), "pass@1_greedy": frac(every, 0), "pass@n": frac(every, 1),
-            "per_task": {t: {"prompts": len(v), "greedy_right": sum(x[0] for x in v), "any_sample_right": sum(x[1] for x in v)}
-                         for t, v in sorted(by_task.items())}}
+            "per_task": {t: {"prompts": len(v), "greedy_right": sum(x[0] for x in v),
+                             "any_sample_right": sum(x[1] for x in v)} for t, v in sorted(by_task.items())}}
 
 
 def main() -> None:
@@ -124,6 +129,8 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=None, help="first N conversations of train.jsonl (default all)")
     ap.add_argument("--val", type=int, default=None, help="first N conversations of val.jsonl (default all)")
     ap.add_argument("--heldout", type=int, default=200, help="held-out prompts scored for pass@1/pass@n (0: none)")
+    ap.add_argument("--per-prompt", type=int, default=1,
+                    help="pairs per prompt: the first as above, then its next most frequent distinct wrong answers")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--batch", type=int, default=64, help="prompts per generate call")
     ap.add_argument("--seed", type=int, default=0)
@@ -143,8 +150,11 @@ def main() -> None:
             rows = conversations(TASKS_DIR / source, n)
             got = answers(model, tok, [r[0] for r in rows], args.samples, args.temperature, args.max_new_tokens,
                           args.batch)
-            pairs, counts = make_pairs(rows, got)
+            pairs, counts = make_pairs(rows, got, args.per_prompt if split == "train" else 1)
             (out / f"pairs_{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+            (out / f"samples_{split}.jsonl").write_text("".join(
+                json.dumps({"prompt": r[0], "reference": r[1], "task": r[2], "greedy": g, "samples": s}) + "\n"
+                for r, (g, s) in zip(rows, got, strict=True)))
             stats[split] = {"source": f"chat_tasks/{source}", **counts, **pass_at(rows, got)}
         if args.heldout:
             rows = conversations(TASKS_DIR / "heldout.jsonl", args.heldout)
