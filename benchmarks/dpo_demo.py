@@ -1,15 +1,20 @@
 """The preference demo's effect, measured: exact match on the bundled held-out prompts (chat_tasks_heldout) of
-the instruction-tuned chat demo model before and after DPO on the bundled pairs (configs/dpo_tiny.yaml,
-shardlm/assets/chat_tasks/pairs_train.jsonl). Prints one JSON object.
+the instruction-tuned chat demo model before and after preference tuning (configs/dpo_tiny.yaml) on pairs of its
+own answers. Prints one JSON object.
 
-    python benchmarks/dpo_demo.py [--sft-run runs/chat_tiny] [--heldout 200] [--out benchmarks/results/dpo_demo.json]
-                                  [--keep DIR] [key=value ...]
+    python benchmarks/dpo_demo.py [--sft-run runs/chat_tiny] [--pairs onpolicy|bundled|DIR] [--samples 16]
+                                  [--heldout 200] [--out benchmarks/results/dpo_demo.json] [--keep DIR] [key=value ...]
 
 The flow is the one configs/dpo_tiny.yaml describes: `shardlm train chat_tiny` (skipped with --sft-run),
-`shardlm export SFT SFT-hf`, `shardlm train dpo_tiny model.name=SFT-hf`; key=value arguments go to that last
-command (e.g. preference.beta=0.5 train.lr=3e-4). "Before" is `shardlm eval SFT data.val=chat_tasks_heldout
---exact-match N`, "after" the same on the DPO run; rewards/accuracy and the validation loss come from the DPO
-run's metrics.jsonl. Every run and score is a real shardlm command.
+`shardlm export SFT SFT-hf`, `python benchmarks/dpo_pairs.py SFT-hf PAIRS` (on-policy pairs: the SFT model's
+own right answer chosen, its own wrong answer rejected; --pairs DIR trains on pairs already made there, --pairs
+bundled on the bundled near-miss pairs chat_pairs), then `shardlm train dpo_tiny model.name=SFT-hf
+data.train=PAIRS/pairs_train.jsonl data.val=PAIRS/pairs_val.jsonl model.chat_template=PAIRS/chat_template.jinja`;
+key=value arguments go to that last command (e.g. train.objective=dpo train.lr=1e-4). "Before" is `shardlm eval
+SFT data.val=chat_tasks_heldout --exact-match N`, "after" the same on the tuned run; the per-task counts score
+the same greedy answers of each run's export (shardlm's exact-match code, the task read from the prompt);
+rewards/accuracy and the validation loss come from the tuned run's metrics.jsonl. Every run and score is a real
+shardlm command or shardlm's own code.
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ import yaml
 from common import ROOT
 
 
-def shardlm(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "shardlm", *args], capture_output=True, text=True, cwd=ROOT)
+def python(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise SystemExit(f"shardlm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
+        raise SystemExit(f"python {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
     return proc.stdout
+
+
+def shardlm(*args: str) -> str:
+    return python("-m", "shardlm", *args)
 
 
 def run(config: str, out: Path, extra: list[str]) -> float:
@@ -41,10 +50,35 @@ def run(config: str, out: Path, extra: list[str]) -> float:
     return round(time.time() - began, 1)
 
 
-def exact_match(path: Path, heldout: int) -> dict:
+def exact_match(path: Path, export: Path, heldout: int) -> dict:
+    """`shardlm eval RUN --exact-match N`, and the right answers per task of the run's export (same prompts,
+    same greedy answers and rule: shardlm.inference.exact_match)."""
     result = json.loads(shardlm("eval", str(path), "data.val=chat_tasks_heldout", "--exact-match", str(heldout)))
     return {"exact_match": result["exact_match"], "exact_match_n": result["exact_match_n"],
-            "heldout_answer_loss": result["loss"]}
+            "heldout_answer_loss": result["loss"], "per_task": per_task(export, heldout)}
+
+
+def per_task(export: Path, heldout: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlm.config import DataConfig
+    from shardlm.inference.exact_match import held_out_examples, score
+
+    sys.path.insert(0, str(ROOT / "shardlm" / "assets" / "chat_tasks"))
+    from make_pairs import parse
+
+    examples = held_out_examples("chat_tasks_heldout", "validation", DataConfig(), None, heldout)
+    tok = AutoTokenizer.from_pretrained(export)
+    with torch.no_grad():
+        scored = score(AutoModelForCausalLM.from_pretrained(export), tok, examples, quiet=True)
+    tasks: dict[str, list[int]] = {}
+    for example, s in zip(examples, scored, strict=True):
+        last = max(i for i, m in enumerate(example.messages) if m["role"] == "assistant")
+        right = tasks.setdefault(parse(example.messages[last - 1]["content"])[0], [0, 0])
+        right[0] += s.exact
+        right[1] += 1
+    return {task: f"{hits}/{n}" for task, (hits, n) in sorted(tasks.items())}
 
 
 def cpu_name() -> str:
@@ -70,6 +104,11 @@ def machine() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft-run", default=None, help="reuse this chat_tiny run dir instead of training one")
+    ap.add_argument("--pairs", default="onpolicy",
+                    help="onpolicy: sample them from the SFT export (benchmarks/dpo_pairs.py); bundled: chat_pairs; "
+                         "or a folder holding pairs_train.jsonl and pairs_val.jsonl")
+    ap.add_argument("--samples", type=int, default=16, help="onpolicy: sampled answers per prompt")
+    ap.add_argument("--pair-prompts", type=int, default=3000, help="onpolicy: first N conversations of train.jsonl")
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--keep", default=None, help="work in this folder and keep the runs (default: a temporary one)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -88,10 +127,25 @@ def main() -> None:
             sft_seconds = run("chat_tiny", sft, [])
         export = work / "sft-hf"
         shardlm("export", str(sft), str(export))
-        before = exact_match(sft, args.heldout)
+        before = exact_match(sft, export, args.heldout)
+        pairs_seconds, pairs_stats = None, None
+        if args.pairs == "bundled":
+            data = ["data.train=chat_pairs", "data.val=chat_pairs_val", "model.chat_template=chatml"]
+        else:
+            folder = work / "pairs" if args.pairs == "onpolicy" else Path(args.pairs).resolve()
+            if args.pairs == "onpolicy":
+                began_pairs = time.time()
+                python("benchmarks/dpo_pairs.py", str(export), str(folder), "--samples", str(args.samples),
+                       "--train", str(args.pair_prompts), "--heldout", str(args.heldout))
+                pairs_seconds = round(time.time() - began_pairs, 1)
+            if (folder / "pairs_stats.json").exists():
+                pairs_stats = json.loads((folder / "pairs_stats.json").read_text())
+            data = [f"data.train={folder / 'pairs_train.jsonl'}", f"data.val={folder / 'pairs_val.jsonl'}",
+                    f"model.chat_template={folder / 'chat_template.jinja'}"]
         dpo = work / "dpo"
-        dpo_seconds = run("dpo_tiny", dpo, [f"model.name={export}", *args.overrides])
-        after = exact_match(dpo, args.heldout)
+        dpo_seconds = run("dpo_tiny", dpo, [f"model.name={export}", *data, *args.overrides])
+        shardlm("export", str(dpo), str(work / "dpo-hf"))
+        after = exact_match(dpo, work / "dpo-hf", args.heldout)
         records = [json.loads(line) for line in (dpo / "metrics.jsonl").read_text().splitlines()]
         config = yaml.safe_load((dpo / "config.yaml").read_text())
     train = [r for r in records if r.get("split") == "train"]
@@ -108,6 +162,7 @@ def main() -> None:
            "configs": ["configs/chat_tiny.yaml", "configs/dpo_tiny.yaml"],
            "sft_run": "trained here" if sft_seconds is not None else str(args.sft_run),
            "sft_train_seconds": sft_seconds,
+           "pairs": args.pairs, "pairs_seconds": pairs_seconds, "pairs_stats": pairs_stats,
            "dpo_overrides": args.overrides, "dpo_settings": settings, "dpo_train_seconds": dpo_seconds,
            "wall_seconds": round(time.time() - began, 1),
            "before": before, "after": after,
@@ -118,8 +173,8 @@ def main() -> None:
            "machine": {**machine(), "load_average_at_start": load_before},
            "note": "exact match: greedy answers to the first N prompts of chat_tasks_heldout (never trained on, no "
                    "pair made from them) equal to the reference; before = the instruction-tuned chat_tiny run that "
-                   "DPO starts from, after = the DPO run. rewards/* are the DPO run's own validation records on "
-                   "chat_pairs_val (beta-scaled log-ratio to the reference, the SFT model)"}
+                   "DPO starts from, after = the DPO run. rewards/* are the DPO run's own validation records on its "
+                   "validation pairs (beta-scaled log-ratio to the reference, the SFT model)"}
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
