@@ -259,3 +259,21 @@ def test_prepare_renders_example_sources(tmp_path, capsys):
         main(argv)
     assert done.value.code == 0
     assert "train: " in capsys.readouterr().out and len(list((tmp_path / "cache").glob("ex-*/meta.json"))) == 1
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_a_pair_scores_what_instruction_tuning_trains(name):
+    """A conversation pair's scored answer tokens are the targets instruction tuning gives the same conversation:
+    the answer and its end of turn, not the whitespace after it that no generation emits (ChatML's newline)."""
+    from shardlm.data.formats import to_pair
+    from shardlm.data.render import pair_ids
+
+    tok, info = template_tokenizer(name), SOURCES[name]
+    prompt = ([{"role": "system", "content": "Be brief."}] if info["supports_system"] else []) + CONVERSATION[:3]
+    answer = [{"role": "assistant", "content": "7"}]
+    chosen, _, n = pair_ids(tok, to_pair({"prompt": prompt, "chosen": answer,
+                                          "rejected": [{"role": "assistant", "content": "8"}]}, "x"), "x")
+    ids, mask = tokenize(tok, to_example({"messages": prompt + answer}, "messages", "x"), "x")
+    last = [i for i in np.flatnonzero(mask) if i >= n]  # the last turn's targets (earlier answers are prompt here)
+    assert chosen == ids[:len(chosen)] and last == list(range(n, len(chosen))), (tok.decode(chosen[n:]),
+                                                                                 trained_text(tok, ids, mask))

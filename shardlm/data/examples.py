@@ -28,7 +28,7 @@ from shardlm.data.render import pair_ids, tokenize
 from shardlm.data.sources import Source
 from shardlm.tokenizer import fingerprint, template_fingerprint
 
-EXAMPLES_FORMAT = 1
+EXAMPLES_FORMAT = 2  # 2: a conversation pair scores what instruction tuning trains (render.pair_ids)
 
 
 @dataclass

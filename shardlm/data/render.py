@@ -151,26 +151,35 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def pair_ids(tok, pair: Pair, where: str) -> tuple[list[int], list[int], int]:
-    """(prompt + chosen ids, prompt + rejected ids, prompt length), by TRL's DPOTrainer rule: conversations rendered
-    whole by the chat template (the prompt with its generation prompt), text with EOS appended to each answer;
-    the answers start where the prompt's own ids stop agreeing with either side's."""
+    """(prompt + chosen ids, prompt + rejected ids, prompt length): the tokens from the prompt length on are scored.
+
+    Conversations score what instruction tuning trains on the same conversation (chat_ids with the prompt's
+    messages untrained): the answer turn and its end-of-turn token, whatever the template, and not the
+    whitespace a template writes after it (ChatML's newline after `<|im_end|>`), which no generation emits.
+    TRL's DPOTrainer takes the rendering after the prompt's instead, newline included: an instruction-tuned model
+    gives that newline -8 to -17 nats, which outweighs a short answer's own log-probability in the
+    reference-free objectives' averages (SimPO, ORPO); and where a template renders the prompt differently alone
+    (Mistral moves the system message into the last user turn) its slice starts inside the prompt.
+    Text pairs follow TRL: EOS appended to each answer, the answers start where the prompt's own ids stop
+    agreeing with either side's."""
     if pair.is_chat:
-        if not getattr(tok, "chat_template", None):
-            raise ShardlmError(f"{where}: a conversation needs a chat template and tokenizer "
-                               f"'{getattr(tok, 'name_or_path', '')}' has none. Set model.chat_template to chatml, "
-                               "plain or a .jinja file.")
+        p = cast(list, pair.prompt)
 
-        def ids(messages: list[dict], generation: bool = False) -> list[int]:
-            text = _render(tok, messages, where, generation)
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+        def side(answer: list[dict]) -> tuple[list[int], int]:
+            ids, mask = chat_ids(tok, Example(messages=[*p, *answer], first_trained=len(p)), where, False)
+            targets = np.flatnonzero(mask)
+            return ids[:int(targets[-1]) + 1], int(targets[0])
 
-        p, c, r = (cast(list, x) for x in (pair.prompt, pair.chosen, pair.rejected))
-        prompt, chosen, rejected = ids(p, generation=True), ids(p + c), ids(p + r)
-    else:
-        eos = tok.eos_token or ""
-        sides = [str(a) if str(a).endswith(eos) else f"{a}{eos}" for a in (pair.chosen, pair.rejected)]
-        prompt = list(tok(pair.prompt)["input_ids"])
-        chosen, rejected = (list(tok(str(pair.prompt) + a)["input_ids"]) for a in sides)
+        (chosen, a), (rejected, b) = side(cast(list, pair.chosen)), side(cast(list, pair.rejected))
+        n = min(a, b)
+        if chosen[:n] != rejected[:n]:
+            raise BadExample(f"{where}: the chat template renders the prompt differently before the two answers, so "
+                             "they do not share it. Give both answers the same roles and the prompt alone.")
+        return chosen, rejected, n
+    eos = tok.eos_token or ""
+    sides = [str(a) if str(a).endswith(eos) else f"{a}{eos}" for a in (pair.chosen, pair.rejected)]
+    prompt = list(tok(pair.prompt)["input_ids"])
+    chosen, rejected = (list(tok(str(pair.prompt) + a)["input_ids"]) for a in sides)
     n = min(_common(prompt, chosen), _common(prompt, rejected))
     if n >= len(chosen) or n >= len(rejected):
         raise BadExample(f"{where}: an answer of this pair has no tokens after the prompt. Give both answers text.")
