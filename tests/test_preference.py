@@ -339,3 +339,29 @@ def test_dpo_compiled_and_in_bf16_trains_what_eager_fp32_trains(pairs_file, cach
         **extra, "parallel.precision": "bf16"})[1:])
     assert np.allclose(bf16[:, [0, 6, 7]], want[:, [0, 6, 7]], rtol=2e-2)  # bf16 matmuls
     assert np.isfinite(bf16).all()
+
+
+def test_rpo_adds_the_chosen_answers_token_mean_cross_entropy_to_dpo(pairs_file, cache_dir, tmp_path):
+    """TRL's rpo_alpha: loss = DPO + alpha x the chosen tokens' mean NLL. At the first step the policy is the
+    reference (DPO = log 2 per pair), so the difference is alpha x -(summed chosen log-probs) / chosen tokens."""
+    import math
+
+    from shardlm.config import load_config
+    from shardlm.training.preference import chosen_targets, pair_rows
+    from shardlm.training.trainer import Trainer
+
+    first = {}
+    for alpha in (0.0, 0.5):
+        trainer = Trainer.from_config(load_config(None, pair_args(pairs_file, cache_dir, tmp_path / str(alpha), **{
+            "train.batch_size": 4, "preference.rpo_alpha": alpha})[1:]))
+        tokens = chosen_targets(pair_rows(trainer.run.train, "training"),
+                                trainer.sampler.indices(0, trainer.global_batch))
+        s = trainer.train_step()
+        pairs = s["targets"]
+        first[alpha] = (float(s["loss_sum"]) / pairs, -s["stats"][4].item() / tokens)  # loss per pair, chosen NLL
+    (dpo, nll), (rpo, _) = first[0.0], first[0.5]
+    assert dpo == pytest.approx(math.log(2), rel=1e-5) and nll > 0.5
+    assert rpo == pytest.approx(dpo + 0.5 * nll, rel=1e-5)
+    with pytest.raises(ShardlmError, match="preference.rpo_alpha adds the chosen answers' cross-entropy to dpo"):
+        load_config_of(pair_args(pairs_file, cache_dir, tmp_path, **{"train.objective": "simpo",
+                                                                        "preference.rpo_alpha": 1.0})[1:])

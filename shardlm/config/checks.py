@@ -63,6 +63,12 @@ def validate(cfg: Config) -> None:
             raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{nearest(value, choices)}"
                                + CHOICE_HINTS.get(name, ""))
     t = cfg.train
+    _positive("preference.rpo_alpha", cfg.preference.rpo_alpha, allow_zero=True)
+    if cfg.preference.rpo_alpha and t.objective not in ("dpo", "ipo"):
+        raise ShardlmError(f"preference.rpo_alpha adds the chosen answers' cross-entropy to dpo or ipo; "
+                           f"train.objective={t.objective} " + ("has its own (orpo)." if t.objective == "orpo" else
+                                                                "does not take it.")
+                           + " Set preference.rpo_alpha=0 or train.objective=dpo.")
     _positive("train.batch_size", t.batch_size)
     _positive("train.grad_accum", t.grad_accum)
     _positive("data.seq_len", cfg.data.seq_len)

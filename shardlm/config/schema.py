@@ -121,6 +121,7 @@ class PreferenceConfig:
     label_smoothing: float = 0.0  # dpo/simpo: the chance a pair's labels are flipped (conservative DPO); 0 = off
     gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
     reference: str = "precomputed"  # dpo/ipo: precomputed (scored once, stored beside the cache) | live (each step)
+    rpo_alpha: float = 0.0  # dpo/ipo: + rpo_alpha x the chosen answers' token-mean cross-entropy (TRL's RPO); 0 = off
 
 
 @dataclass

@@ -125,7 +125,8 @@ class Preference:
         cr, rr = out.chosen_rewards, out.rejected_rewards
         stats = torch.stack([(cr * w).sum(), (rr * w).sum(), ((cr > rr).float() * w).sum(), ((cr - rr) * w).sum(),
                              (chosen.detach() * w).sum(), (rejected.detach() * w).sum()])
-        nll = -(chosen * w).sum() if self.objective == "orpo" else torch.zeros((), device=chosen.device)
+        alpha = 1.0 if self.objective == "orpo" else self.p.rpo_alpha  # ORPO's own term; DPO + NLL is TRL's RPO
+        nll = -alpha * (chosen * w).sum() if alpha else torch.zeros((), device=chosen.device)
         return (out.losses * w).sum(), nll, stats, w.sum()
 
 
