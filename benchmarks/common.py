@@ -21,6 +21,16 @@ DATA_HELP = ("training text (default: ../shared/data/wikitext-2/train.txt where 
 SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
 
 
+# ChatML whose last assistant answer ends at <|im_end|>, every other turn as ChatML renders it: a pair's answers
+# then end where shardlm scores them on any template (docs/preference.md, "What a pair scores"), for a peer that
+# scores the text after the prompt's rendering (TRL) as well
+CHATML_ANSWER_END = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' + "
+                     "message['content'] + '<|im_end|>' }}"
+                     "{%- if not (loop.last and message['role'] == 'assistant') -%}{{ '\n' }}"
+                     "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+                     "{%- endif -%}")
+
+
 def cpu_name() -> str:
     """The processor's name for a benchmark's record: `lscpu`'s Model name, else /proc/cpuinfo's, else platform's."""
     try:

@@ -4,7 +4,9 @@
     python benchmarks/preference.py --steps 60 --batch 2 --keep /tmp/dpo-bench
 
 Setup: the random-weight Qwen2 of benchmarks/sft.py (hidden 256, 4 layers, 4 heads, `initializer_range=0.3`), the
-GPT-2 tokenizer plus ChatML's `<|im_start|>`/`<|im_end|>` and the ChatML template of tests/data/chat_templates.
+GPT-2 tokenizer plus ChatML's `<|im_start|>`/`<|im_end|>`, and ChatML with the last answer ending at `<|im_end|>`
+(common.CHATML_ANSWER_END: TRL would also score ChatML's newline after it, shardlm does not; both then score the
+same tokens).
 Data: conversational pairs made in the temporary folder from shardlm/assets/chat_tasks train.jsonl / val.jsonl:
 `prompt` = the messages before the last assistant turn, `chosen` = [that turn], `rejected` = [a plausible wrong
 answer] (digits: one digit off by one; letters: two different characters swapped, or one letter shifted;
@@ -55,10 +57,9 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from common import ROOT, cpu_name, example_run_overrides, tail
+from common import CHATML_ANSWER_END, ROOT, cpu_name, example_run_overrides, tail
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks"
-CHATML = ROOT / "tests" / "data" / "chat_templates" / "chatml.jinja"
 GPT2 = ROOT / "shardlm" / "assets" / "gpt2-tokenizer"
 
 
@@ -81,7 +82,7 @@ def make_model(folder: Path, s: dict) -> None:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.eos_token = "<|im_end|>"
     tok.pad_token = "<|endoftext|>"
-    tok.chat_template = CHATML.read_text()
+    tok.chat_template = CHATML_ANSWER_END  # TRL would score ChatML's newline after the last <|im_end|> too
     m = s["model"]
     config = Qwen2Config(vocab_size=len(tok), hidden_size=m["hidden"], num_hidden_layers=m["layers"],
                          num_attention_heads=m["heads"], num_key_value_heads=m["heads"],
@@ -445,7 +446,8 @@ def main() -> None:
         "benchmark": "preference (dpo)", "date": datetime.date.today().isoformat(), "machine": machine(s["threads"]),
         "command": " ".join(["python", "benchmarks/preference.py", *sys.argv[1:]]), "settings": s,
         "data": {"train": "pairs from shardlm/assets/chat_tasks/train.jsonl", "val": "... val.jsonl",
-                 "pairs": counts, "chat_template": "tests/data/chat_templates/chatml.jinja",
+                 "pairs": counts,
+                 "chat_template": "ChatML, the last answer ending at <|im_end|> (common.CHATML_ANSWER_END)",
                  "rejected": "digit off by one / two characters swapped / a letter shifted, random.Random(0)"},
         "val_before_training": {"shardlm": ours_eval, "trl": theirs_eval, "loss_abs_diff": loss_diff,
                                 "loss_agree_1e-4": loss_diff <= 1e-4, "mean_chosen_logp_abs_diff": logp_diff},
