@@ -9,7 +9,7 @@ The flow is the one configs/dpo_tiny.yaml describes: `shardlm train chat_tiny` (
 `shardlm export SFT SFT-hf`, `python benchmarks/dpo_pairs.py SFT-hf PAIRS` (on-policy pairs: the SFT model's
 own right answer chosen, its own wrong answer rejected; --pairs DIR trains on pairs already made there, --pairs
 bundled on the bundled near-miss pairs chat_pairs), then `shardlm train dpo_tiny model.name=SFT-hf
-data.train=PAIRS/pairs_train.jsonl data.val=PAIRS/pairs_val.jsonl model.chat_template=PAIRS/chat_template.jinja`;
+data.train=PAIRS/pairs_train.jsonl data.val=PAIRS/pairs_val.jsonl`;
 key=value arguments go to that last command (e.g. train.objective=dpo train.lr=1e-4). "Before" is `shardlm eval
 SFT data.val=chat_tasks_heldout --exact-match N`, "after" the same on the tuned run; the per-task counts score
 the same greedy answers of each run's export (shardlm's exact-match code, the task read from the prompt);
@@ -140,8 +140,7 @@ def main() -> None:
                 pairs_seconds = round(time.time() - began_pairs, 1)
             if (folder / "pairs_stats.json").exists():
                 pairs_stats = json.loads((folder / "pairs_stats.json").read_text())
-            data = [f"data.train={folder / 'pairs_train.jsonl'}", f"data.val={folder / 'pairs_val.jsonl'}",
-                    f"model.chat_template={folder / 'chat_template.jinja'}"]
+            data = [f"data.train={folder / 'pairs_train.jsonl'}", f"data.val={folder / 'pairs_val.jsonl'}"]
         dpo = work / "dpo"
         dpo_seconds = run("dpo_tiny", dpo, [f"model.name={export}", *data, *args.overrides])
         shardlm("export", str(dpo), str(work / "dpo-hf"))

@@ -16,8 +16,7 @@ answer equals the conversation's reference answer after trimming whitespace). Th
 This is rejection-sampling ("best-of-n") DPO: the pairs move probability toward answers the model already
 reaches sometimes and away from the ones it gives instead, so greedy accuracy (pass@1) moves toward pass@n.
 It writes OUT_DIR/pairs_train.jsonl and OUT_DIR/pairs_val.jsonl (TRL's conversational preference format, as
-the bundled chat_pairs), the answers they were drawn from (samples_train.jsonl, samples_val.jsonl),
-OUT_DIR/chat_template.jinja (ChatML whose last answer ends at <|im_end|>: configs/dpo_tiny.yaml trains with it) and
+the bundled chat_pairs), the answers they were drawn from (samples_train.jsonl, samples_val.jsonl) and
 OUT_DIR/pairs_stats.json: counts, and pass@1 (greedy) and pass@n per task on the
 training prompts and on the first `--heldout` held-out prompts (chat_tasks_heldout; scored, never paired),
 which is the ceiling preference tuning on such pairs aims at.
@@ -48,11 +47,7 @@ TASKS_DIR = ROOT / "shardlm" / "assets" / "chat_tasks"
 # (generation stops at <|im_end|>), but a pair's answers end at <|im_end|>. Under ChatML each answer also holds that
 # newline, a token generation never reaches and the SFT model gives log-probability -8 to -17: it dominated the
 # answers' scores, and the preference loss could move it instead of the answers (configs/dpo_tiny.yaml uses this)
-ANSWER_END_TEMPLATE = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' + "
-                       "message['content'] + '<|im_end|>' }}"
-                       "{%- if not (loop.last and message['role'] == 'assistant') -%}{{ '\n' }}"
-                       "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
-                       "{%- endif -%}")
+
 
 
 def conversations(path: Path, n: int | None) -> list[tuple[list[dict], str, str]]:
@@ -152,7 +147,6 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chat_template.jinja").write_text(ANSWER_END_TEMPLATE)
     stats: dict = {"model": str(args.model), "samples": args.samples, "temperature": args.temperature,
                    "seed": args.seed, "max_new_tokens": args.max_new_tokens}
     began = time.time()
