@@ -263,17 +263,20 @@ def test_prepare_renders_example_sources(tmp_path, capsys):
 
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_a_pair_scores_what_instruction_tuning_trains(name):
-    """A conversation pair's scored answer tokens are the targets instruction tuning gives the same conversation:
-    the answer and its end of turn, not the whitespace after it that no generation emits (ChatML's newline)."""
+    """A conversation pair's scored tokens are the targets instruction tuning gives the same conversation: each
+    assistant turn of the answer and its end of turn, not a tool or user turn between them, nor the whitespace
+    after the last end of turn that no generation emits (ChatML's newline)."""
     from shardlm.data.formats import to_pair
     from shardlm.data.render import pair_ids
 
     tok, info = template_tokenizer(name), SOURCES[name]
-    prompt = ([{"role": "system", "content": "Be brief."}] if info["supports_system"] else []) + CONVERSATION[:3]
-    answer = [{"role": "assistant", "content": "7"}]
-    chosen, _, n = pair_ids(tok, to_pair({"prompt": prompt, "chosen": answer,
-                                          "rejected": [{"role": "assistant", "content": "8"}]}, "x"), "x")
-    ids, mask = tokenize(tok, to_example({"messages": prompt + answer}, "messages", "x"), "x")
-    last = [i for i in np.flatnonzero(mask) if i >= n]  # the last turn's targets (earlier answers are prompt here)
-    assert chosen == ids[:len(chosen)] and last == list(range(n, len(chosen))), (tok.decode(chosen[n:]),
-                                                                                 trained_text(tok, ids, mask))
+    prompt = ([{"role": "system", "content": "Be brief."}] if info["supports_system"] else []) + CONVERSATION[:1]
+    for answer in ([{"role": "assistant", "content": "ab"}], CONVERSATION[1:]):  # one turn; turn, user, turn
+        (chosen, scored), _ = pair_ids(tok, to_pair({"prompt": prompt, "chosen": answer,
+                                                     "rejected": [{"role": "assistant", "content": "ba"}]}, "x"), "x")
+        ids, mask = tokenize(tok, to_example({"messages": prompt + answer}, "messages", "x"), "x")
+        assert chosen == ids[:len(chosen)] and scored.tolist() == mask[:len(chosen)].tolist()
+        assert not mask[len(chosen):].any() and trained_text(tok, chosen, scored) == trained_text(tok, ids, mask)
+    with pytest.raises(ShardlmError, match="ends with a 'user' message; each side must end with the assistant's"):
+        pair_ids(tok, to_pair({"prompt": prompt, "chosen": CONVERSATION[1:3],
+                               "rejected": CONVERSATION[1:2]}, "x"), "x")

@@ -141,10 +141,9 @@ def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_w
 
 
 def _sequences(tok, example: Example | Pair, where: str, train_on_prompt: bool) -> list[tuple[list[int], np.ndarray]]:
-    """An example's (ids, target mask); a pair's two: the answers are the targets (TRL's DPO rule, `pair_ids`)."""
+    """An example's (ids, target mask); a pair's two: the answers are the targets (`pair_ids`)."""
     if isinstance(example, Pair):
-        chosen, rejected, n = pair_ids(tok, example, where)
-        return [(ids, (np.arange(len(ids)) >= n).astype(np.uint8)) for ids in (chosen, rejected)]
+        return pair_ids(tok, example, where)
     return [tokenize(tok, example, where, train_on_prompt)]
 
 

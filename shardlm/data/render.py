@@ -150,40 +150,43 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def pair_ids(tok, pair: Pair, where: str) -> tuple[list[int], list[int], int]:
-    """(prompt + chosen ids, prompt + rejected ids, prompt length): the tokens from the prompt length on are scored.
+def pair_ids(tok, pair: Pair, where: str) -> list[tuple[list[int], np.ndarray]]:
+    """[(prompt + chosen ids, their target mask), (prompt + rejected ids, theirs)]: the targets are what is scored.
 
     Conversations score what instruction tuning trains on the same conversation (chat_ids with the prompt's
-    messages untrained): the answer turn and its end-of-turn token, whatever the template, and not the
-    whitespace a template writes after it (ChatML's newline after `<|im_end|>`), which no generation emits.
-    TRL's DPOTrainer takes the rendering after the prompt's instead, newline included: an instruction-tuned model
-    gives that newline -8 to -17 nats, which outweighs a short answer's own log-probability in the
-    reference-free objectives' averages (SimPO, ORPO); and where a template renders the prompt differently alone
-    (Mistral moves the system message into the last user turn) its slice starts inside the prompt.
-    Text pairs follow TRL: EOS appended to each answer, the answers start where the prompt's own ids stop
-    agreeing with either side's."""
+    messages untrained): each assistant turn of the answer with its end-of-turn token, whatever the template, and
+    not what lies between them (a tool or user turn) nor the whitespace a template writes after an end of turn
+    (ChatML's newline after `<|im_end|>`), which no generation emits. TRL's DPOTrainer scores the whole rendering
+    after the prompt's instead, newline included: an instruction-tuned model gives that newline -8 to -17 nats,
+    which outweighs a short answer's own log-probability in the reference-free objectives' averages (SimPO,
+    ORPO); and where a template renders the prompt differently alone (Mistral moves the system message into the
+    last user turn) its slice starts inside the prompt. Text pairs follow TRL: EOS appended to each answer, the
+    answers start where the prompt's own ids stop agreeing with either side's."""
     if pair.is_chat:
         p = cast(list, pair.prompt)
 
-        def side(answer: list[dict]) -> tuple[list[int], int]:
+        def side(answer: list[dict]) -> tuple[list[int], np.ndarray]:
+            if answer[-1].get("role") != "assistant":
+                raise BadExample(f"{where}: an answer of this pair ends with a '{answer[-1].get('role')}' message; "
+                                 "each side must end with the assistant's. Drop the trailing messages.")
             ids, mask = chat_ids(tok, Example(messages=[*p, *answer], first_trained=len(p)), where, False)
-            targets = np.flatnonzero(mask)
-            return ids[:int(targets[-1]) + 1], int(targets[0])
+            end = int(np.flatnonzero(mask)[-1]) + 1  # the last answer's end of turn: what follows is not scored
+            return ids[:end], mask[:end]
 
-        (chosen, a), (rejected, b) = side(cast(list, pair.chosen)), side(cast(list, pair.rejected))
-        n = min(a, b)
-        if chosen[:n] != rejected[:n]:
+        sides = [side(cast(list, pair.chosen)), side(cast(list, pair.rejected))]
+        n = min(int(np.flatnonzero(mask)[0]) for _, mask in sides)
+        if sides[0][0][:n] != sides[1][0][:n]:
             raise BadExample(f"{where}: the chat template renders the prompt differently before the two answers, so "
                              "they do not share it. Give both answers the same roles and the prompt alone.")
-        return chosen, rejected, n
+        return sides
     eos = tok.eos_token or ""
-    sides = [str(a) if str(a).endswith(eos) else f"{a}{eos}" for a in (pair.chosen, pair.rejected)]
+    ends = [str(a) if str(a).endswith(eos) else f"{a}{eos}" for a in (pair.chosen, pair.rejected)]
     prompt = list(tok(pair.prompt)["input_ids"])
-    chosen, rejected = (list(tok(str(pair.prompt) + a)["input_ids"]) for a in sides)
+    chosen, rejected = (list(tok(str(pair.prompt) + a)["input_ids"]) for a in ends)
     n = min(_common(prompt, chosen), _common(prompt, rejected))
     if n >= len(chosen) or n >= len(rejected):
         raise BadExample(f"{where}: an answer of this pair has no tokens after the prompt. Give both answers text.")
-    return chosen, rejected, n
+    return [(ids, (np.arange(len(ids)) >= n).astype(np.uint8)) for ids in (chosen, rejected)]
 
 
 def tokenize(tok, example: Example, where: str, train_on_prompt: bool = False) -> tuple[list[int], np.ndarray]:
