@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT
+from common import ROOT, cpu_name
 
 
 def python(*args: str) -> str:
@@ -79,19 +79,6 @@ def per_task(export: Path, heldout: int) -> dict:
         right[0] += s.exact
         right[1] += 1
     return {task: f"{hits}/{n}" for task, (hits, n) in sorted(tasks.items())}
-
-
-def cpu_name() -> str:
-    """`lscpu`'s Model name (else /proc/cpuinfo's, else platform's)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        pass
-    if Path("/proc/cpuinfo").exists():
-        return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), platform.processor())
-    return platform.processor()
 
 
 def machine() -> dict:
