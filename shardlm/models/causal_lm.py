@@ -77,11 +77,7 @@ class CausalLM(nn.Module):
         `positions` restarting at 0 mark packed examples: transformers keeps attention inside each one. With
         `segments` (preference pairs), instead the summed log-probability of the targets of each of `sequences`
         sequences, and their target counts."""
-        kwargs = {} if positions is None else {"position_ids": positions}
-        return self._forward(tokens, targets, positions, segments, sequences, kwargs)
-
-    def _forward(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
-                 segments: torch.Tensor | None, sequences: int, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        kwargs: dict = {} if positions is None else {"position_ids": positions}
         routed = self.router is not None and self.training and segments is None
         if routed:
             kwargs = {**kwargs, "output_router_logits": True}
