@@ -315,6 +315,27 @@ def test_a_bad_reference_mode_is_refused():
         load_config_of(["preference.reference=livee"])
 
 
+def test_the_stored_references_key_names_what_computes_its_scores(tmp_path):
+    """QLoRA's 4-bit base scores other values than the full-precision base: a stored reference of one is not the
+    other's. Settings that change no score keep the key (and a key from before quantization counted is kept)."""
+    from types import SimpleNamespace
+
+    from test_families import make_folder
+
+    from shardlm.training.preference import reference_key
+
+    base = make_folder(tmp_path, "llama")
+
+    def key(*overrides):
+        return reference_key(SimpleNamespace(cfg=load_config_of([f"model.name={base}", *overrides]), hf_config=None))
+
+    plain = key()
+    assert key("lora.r=8") == plain  # a LoRA run's reference is its base
+    assert key("lora.r=8", "lora.quantize=nf4") != plain
+    assert key("parallel.precision=bf16") != plain and key("data.seq_len=64") != plain
+    assert key("train.lr=1e-3") == plain
+
+
 def test_dpo_compiled_and_in_bf16_trains_what_eager_fp32_trains(pairs_file, cache_dir, tmp_path):
     """Pairs through the compiled model (the summed log-probabilities of each sequence, traced) and in bf16: the
     losses, gradient norms and rewards of eager fp32, within compile's and bf16's rounding; no recompile per step."""

@@ -188,11 +188,14 @@ def initial_key(run) -> str:
 
 
 def reference_key(run) -> str:
-    """The initial model's identity and what cuts the answers it scored (each side gets seq_len / 2 tokens: a
-    shorter seq_len scores other sequences)."""
+    """The initial model's identity, what computes its scores (the precision; QLoRA's 4-bit base scores other
+    values than the full-precision one) and what cuts the answers it scored (each side gets seq_len / 2 tokens:
+    a shorter seq_len scores other sequences). Keys written before the quantization counted stay the same."""
     m, d = run.cfg.model, run.cfg.data
-    blob = json.dumps([_initial_identity(run), m.name, run.cfg.parallel.precision, d.seq_len, d.truncation],
-                      sort_keys=True, default=str)
+    parts = [_initial_identity(run), m.name, run.cfg.parallel.precision, d.seq_len, d.truncation]
+    if lora.quantized(run.cfg.lora):
+        parts.append({"quantize": run.cfg.lora.quantize})
+    blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
