@@ -18,6 +18,9 @@ The variants (GPT-2 124M, seq 1024, micro-batch 32, vocabulary padded to 64, com
   xl_bf16         GPT-2 XL (1558M), micro-batch 8
   xl_fp8          the same in fp8
   xl_b16          GPT-2 XL at micro-batch 16, bf16 (the 50% MFU goal: a larger batch feeds the matmuls more)
+  xl_fp8_blocks   xl_fp8 with parallel.compile=blocks: one block's graph compiled and reused, so the compile does
+                  not grow with the depth (on CPU, 12 blocks: 20 s against 71 s; benchmarks/compile_time.py)
+  xl_bf16_blocks  xl_bf16 with parallel.compile=blocks: what whole-model fusion is worth at XL
   hf              HF Trainer (torch_compile, SDPA, the same padding, batch and data): its tokens/s
   b64             micro-batch 64 with today's defaults (train.loss_chunk_size null: the plain compiled loss)
 Before the list: the device, driver, CUDA, cuDNN, torch and transformers versions as the first line.
@@ -65,6 +68,8 @@ def variants(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("xl_bf16", mfu(a.xl, a.xl_batch, NEW)),
         ("xl_fp8", mfu(a.xl, a.xl_batch, NEW) + ["--precision", "fp8"]),
         ("xl_b16", mfu(a.xl, 2 * a.xl_batch, NEW)),
+        ("xl_fp8_blocks", mfu(a.xl, a.xl_batch, [*NEW, "parallel.compile=blocks"]) + ["--precision", "fp8"]),
+        ("xl_bf16_blocks", mfu(a.xl, a.xl_batch, [*NEW, "parallel.compile=blocks"])),
         ("hf", hf),
         ("b64", mfu(a.size, 2 * a.batch, NEW)),
     ]
@@ -111,7 +116,8 @@ def summary(row: dict) -> str:
         return f"{row['name']:>14}  FAILED ({row.get('error', '')[-200:]!r})"
     tps = r.get("tokens_per_s")
     return (f"{row['name']:>14}  {tps:>10,.0f} tok/s  mfu {r.get('mfu')}  llm.c {r.get('mfu_causal')}  "
-            f"step {r.get('step_s')} s  mem {r.get('peak_mem_gb', r.get('peak_memory_gb'))} GB  "
+            f"step {r.get('step_s')} s  warmup {r.get('warmup_s')} s  "
+            f"mem {r.get('peak_mem_gb', r.get('peak_memory_gb'))} GB  "
             f"({row['wall_s']} s)" if tps else f"{row['name']:>14}  {r}")
 
 

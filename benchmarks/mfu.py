@@ -42,11 +42,13 @@ def measure(size: str, args) -> dict:
 
     on_gpu = torch.cuda.is_available()
     trainer = Trainer.from_config(load_config(None, overrides(size, args)))
+    started = time.perf_counter()
     for _ in range(args.warmup):
         trainer.train_step()
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    warmup_s = time.perf_counter() - started  # the compile, mostly: what a user waits before the first steps
     began = time.perf_counter()
     for _ in range(args.steps):
         trainer.train_step()
@@ -60,7 +62,7 @@ def measure(size: str, args) -> dict:
     result = {"model": f"gpt2-{size}", "params_m": round(trainer.n_params / 1e6, 1), "batch": args.batch,
               "seq": args.seq, "precision": precision_of(args), "fsdp": plan.use_fsdp, "compile": plan.compile,
               "world_size": trainer.dist.world_size, "tokens_per_s": round(tps),
-              "step_s": round(elapsed / args.steps, 4),
+              "step_s": round(elapsed / args.steps, 4), "warmup_s": round(warmup_s, 1),
               "mfu": round(trainer.flops_per_token * tps / (peak * trainer.dist.world_size), 4) if peak else None,
               "mfu_causal": round(trainer.flops_per_token_causal * tps / (peak * trainer.dist.world_size), 4)
               if peak else None,
