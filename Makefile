@@ -1,6 +1,6 @@
 # make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~5 min on 2 CPU cores)
 # make test: fresh venv (.venv-test: the test extras stay out of the demo's .venv), install, make lint (ruff,
-#   lint-imports, mypy, mkdocs build --strict), then the test suite
+#   lint-imports, mypy, mkdocs build --strict), then the test suite on 2 pytest workers (TEST_WORKERS=0: one)
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
 # make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~7.7 GB from PyPI, ~3 min
@@ -52,8 +52,12 @@ lint: install-test
 	$(TEST_PY) -m mypy
 	NO_MKDOCS_2_WARNING=1 $(TEST_VENV)/bin/mkdocs build --strict --quiet --site-dir $(TEST_VENV)/site
 
+# Two pytest workers, a test file each at a time (module fixtures are built once): on 2 cores the suite takes
+# ~13 min instead of ~18, since much of a test is one process starting, importing torch, waiting on another.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(TEST_PY) -m pytest
+	$(TEST_PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 gpu-check:
 	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)

@@ -13,6 +13,7 @@ from shardlm.training.trainer import Trainer
 def test_compiled_blocks_do_not_recompile(corpus, cache_dir, tmp_path):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
+    counters.clear()  # reset() leaves the counts of earlier tests in this process
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{"parallel.compile": "blocks", "model.n_layer": 3,
                                                                  "parallel.activation_checkpointing": True}))
     trainer = Trainer.from_config(cfg)
@@ -25,7 +26,7 @@ def test_compiled_blocks_do_not_recompile(corpus, cache_dir, tmp_path):
         losses.append((trainer.train_step()["loss_sum"].item(), eager.train_step()["loss_sum"].item()))
     assert graphs_after_warmup >= 1  # the blocks really were compiled
     assert counters["stats"]["unique_graphs"] == graphs_after_warmup  # steady state: no recompiles
-    assert graphs_after_warmup <= 4  # one graph for all 3 blocks (not one per layer_idx), plus backward
+    assert graphs_after_warmup == 1, dict(counters["stats"])  # one graph serves all 3 blocks (not one per layer_idx)
     assert not counters["recompiles"] or sum(counters["recompiles"].values()) <= 1
     for compiled, plain in losses:
         assert compiled == pytest.approx(plain, rel=fp32_tol(1e-4))
