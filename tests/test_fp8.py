@@ -18,6 +18,7 @@ from shardlm.models.fp8 import (
     _torchao_float8,
     after_optimizer_step,
     check_float8,
+    compile_time_note,
     convert_to_float8,
     float8_conv1d_class,
     is_float8,
@@ -262,3 +263,12 @@ def test_check_float8_without_torchao(monkeypatch):
             check_float8(hopper, "model")
     finally:
         _torchao_float8.cache_clear()
+
+
+def test_a_deep_fp8_model_compiled_whole_is_told_of_compile_blocks():
+    note = compile_time_note("model", per_block=False, n_blocks=48)
+    assert note.startswith("note: parallel.precision=fp8 with parallel.compile=model compiles all 48 blocks")
+    assert "parallel.compile=blocks" in note
+    assert compile_time_note("model", per_block=False, n_blocks=12) is None  # GPT-2 124M: compiles in time
+    assert compile_time_note("model", per_block=True, n_blocks=48) is None  # under FSDP it is per block already
+    assert compile_time_note("blocks", per_block=True, n_blocks=48) is None

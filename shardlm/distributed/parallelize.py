@@ -186,6 +186,10 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
         converted = convert_to_float8(model.hf, blocks, fsdp=pl.use_fsdp)
         dist.print(f"fp8: {len(converted)} linear layers in float8 (the first and last block and the head in bf16)")
     per_block = pl.compile == "blocks" or (pl.compile == "model" and pl.use_fsdp)
+    if cfg.parallel.precision == "fp8":
+        from shardlm.models.fp8 import compile_time_note
+
+        warn_once(compile_time_note(pl.compile, per_block, len(blocks)))
     for i, block in enumerate(blocks):
         if cfg.parallel.activation_checkpointing:
             block = checkpoint_wrapper(block, preserve_rng_state=cfg.model.dropout > 0)

@@ -68,6 +68,21 @@ def check_float8(device: torch.device, compile_mode: str) -> None:
                            "as separate kernels): set parallel.compile=model or parallel.compile=blocks.")
 
 
+DEEP = 24  # blocks from which one whole-model fp8 graph takes minutes to compile
+
+
+def compile_time_note(compile_mode: str, per_block: bool, n_blocks: int) -> str | None:
+    """fp8's whole-model graph compiles for minutes at depth: torchao's scaling adds ops to every block, and
+    `compile=model` traces each block anew (on CPU, 12 fp8 blocks: 94 s against 34 s with `compile=blocks`,
+    which compiles one block's graph and reuses it; benchmarks/compile_time.py). GPT-2 XL's 48 had not
+    compiled after 211 s on an H200, the GPU idle."""
+    if compile_mode != "model" or per_block or n_blocks < DEEP:
+        return None
+    return (f"note: parallel.precision=fp8 with parallel.compile=model compiles all {n_blocks} blocks as one graph, "
+            "which takes minutes at this depth before the first step; parallel.compile=blocks compiles one block "
+            "and reuses it (on CPU, 12 fp8 blocks: 34 s against 94 s).")
+
+
 def convert_to_float8(hf_model: PreTrainedModel, blocks: nn.ModuleList, fsdp: bool, emulate: bool = False) -> list[str]:
     """Swap, in place, the eligible linears of `hf_model` for torchao float8 training layers.
 
