@@ -113,6 +113,12 @@ def test_dpo_two_ranks_train_what_one_process_trains_and_report_rewards(dpo_one,
     val = records(tmp_path, "val")
     assert [r["loss"] for r in val] == pytest.approx([r["loss"] for r in records(dpo_one, "val")], rel=1e-4)
     assert got[-1]["loss"] < got[0]["loss"]
+    # the console says what the pair numbers are (no `ppl`, which would read as exp(loss)), as eval prints them
+    v = val[-1]
+    line = (f"step 6: val loss {v['loss']:.4f} rewards/accuracy {v['rewards/accuracy']:.3f} rewards/margin "
+            f"{v['rewards/margin']:.4f} (chosen {v['rewards/chosen']:.4f}, rejected {v['rewards/rejected']:.4f}) "
+            f"on {v['pairs']} pairs, all {v['held_out_tokens']} held-out tokens")
+    assert line in proc.stdout + proc.stderr and "ppl" not in proc.stdout + proc.stderr
 
 
 def test_dpo_resume_is_exact_and_a_lost_reference_is_an_error(dpo_one, pairs_file, cache_dir, tmp_path):
@@ -183,7 +189,9 @@ def test_eval_scores_a_dpo_run_as_its_validation_did(dpo_one, capsys):
     from shardlm.training.preference import STATS
 
     got, want = evaluate_path(str(dpo_one), []), records(dpo_one, "val")[-1]
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == got
+    out = capsys.readouterr()
+    assert json.loads(out.out.strip().splitlines()[-1]) == got
+    assert f"rewards/accuracy {got['rewards/accuracy']:.3f} rewards/margin" in out.err
     assert (got["pairs"], got["tokens"]) == (want["pairs"], want["tokens"])
     for key in ("loss", "accuracy", *STATS):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key

@@ -45,7 +45,7 @@ from shardlm.inference.load import inference_config, load_for_inference
 from shardlm.models.causal_lm import auto_loss_chunk, context_length, model_config
 from shardlm.models.loss import IGNORE, linear_cross_entropy
 from shardlm.models.preference import REFERENCE_FREE
-from shardlm.observe.metrics import eval_summary, held_out_words
+from shardlm.observe.metrics import describe_val, eval_summary, held_out_words
 from shardlm.observe.progress import fmt_time
 
 
@@ -188,7 +188,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
                                "their answers with --exact-match N (or --generation N).")
         tokens = np.concatenate(text) if text else np.zeros(0, dtype=np.int64)
     if pairs:
-        print(describe_pairs(result, cfg.train.eval_batches), file=sys.stderr)
+        print(describe_val(result, result["held_out_tokens"], cfg.train.eval_batches), file=sys.stderr)
         print(json.dumps(result))
         return result
     seq_len = min(cfg.data.seq_len, context)
@@ -250,13 +250,6 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
         trainer.preference.reference = prepare_reference(trainer, store=cfg.preference.reference != "live")
     initial.hf.load_state_dict(model.state_dict())
     return trainer.evaluate() | {"held_out_tokens": rows.target_tokens}
-
-
-def describe_pairs(result: dict, eval_batches: int) -> str:
-    return (f"loss {result['loss']:.4f}  rewards/accuracy {result['rewards/accuracy']:.4f}  rewards/margin "
-            f"{result['rewards/margin']:.4f}  (chosen {result['rewards/chosen']:.4f}, rejected "
-            f"{result['rewards/rejected']:.4f})  on {result['pairs']:,} pairs, "
-            + held_out_words(result["tokens"], result["held_out_tokens"], eval_batches))
 
 
 def evaluate_generation(model, tokenizer, tokens: np.ndarray, seq_len: int, gen: GenOptions,

@@ -38,6 +38,18 @@ def held_out_words(tokens: int, held_out: int | None, eval_batches: int | None =
     return f"on {tokens:,} of {held_out:,} held-out tokens (a subset: train.eval_batches={eval_batches})"
 
 
+def describe_val(result: dict, held_out: int | None, eval_batches: int | None) -> str:
+    """A validation result in words: loss, perplexity and next-token accuracy of text or examples; of preference
+    pairs (a result with `pairs`), the pair loss and the rewards, as `shardlm eval` prints them (the perplexity a
+    pair record keeps is the chosen answers' per token, not exp(loss), so it is not printed as `ppl`)."""
+    scope = held_out_words(result["tokens"], held_out, eval_batches)
+    if "pairs" not in result:
+        return f"loss {result['loss']:.4f} ppl {result['ppl']:.2f} accuracy {result['accuracy']:.3f} {scope}"
+    return (f"loss {result['loss']:.4f} rewards/accuracy {result['rewards/accuracy']:.3f} rewards/margin "
+            f"{result['rewards/margin']:.4f} (chosen {result['rewards/chosen']:.4f}, rejected "
+            f"{result['rewards/rejected']:.4f}) on {result['pairs']:,} pairs, {scope.removeprefix('on ')}")
+
+
 class MetricsLog:
     """`metrics.jsonl` (one flushed line per record, so it can be tailed), TensorBoard and, given `cfg` with
     log.wandb / log.mlflow on, those trackers (shardlm.observe.tracking); `trackers` passes started ones instead."""

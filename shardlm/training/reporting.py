@@ -23,7 +23,7 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.moe import active_fraction, expert_params, idle_expert_params, router_record
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
-from shardlm.observe.metrics import MetricsLog, flops_per_token, held_out_words
+from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
 from shardlm.training.build import Run, describe_optimizer
 from shardlm.training.preference import STATS
@@ -166,12 +166,8 @@ class Reporter:
         held_out = self.run.val.target_tokens
         self.log.write({"step": step, "split": "val", **result, "held_out_tokens": held_out,
                         "tokens_seen": tokens_seen})
-        self.progress.write(f"step {step}: val loss {result['loss']:.4f} ppl {result['ppl']:.2f} "
-                            f"accuracy {result['accuracy']:.3f} {self._scope(result, held_out)}")
+        self.progress.write(f"step {step}: val {describe_val(result, held_out, self.run.cfg.train.eval_batches)}")
         self.last_val, self.held_out = result, held_out
-
-    def _scope(self, result: dict[str, Any], held_out: int) -> str:
-        return held_out_words(result["tokens"], held_out, self.run.cfg.train.eval_batches)
 
     def close(self, step: int, stopped: bool) -> dict[str, Any]:
         """Close the outputs; print the closing line unless the run stopped on a signal (train.py says so)."""
@@ -184,6 +180,5 @@ class Reporter:
             self.dist.print(f"done: {this}" if not start else f"done: step {step}/{self.total}; this invocation: "
                             f"{this} (resumed at step {start})", end="")
             v = self.last_val
-            self.dist.print(f", val loss {v['loss']:.4f} ppl {v['ppl']:.2f} accuracy {v['accuracy']:.3f} "
-                            f"{self._scope(v, self.held_out)}" if v else "")
+            self.dist.print(f", val {describe_val(v, self.held_out, self.run.cfg.train.eval_batches)}" if v else "")
         return {"val": self.last_val, "steps": step, "wall_s": wall}
