@@ -43,6 +43,32 @@ def test_model_card_has_data_steps_losses_config_and_loading(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
 
 
+def test_a_preference_runs_card_names_its_objective_and_rewards_and_a_chat_model_is_used_with_messages(tmp_path):
+    """A pair loss has no perplexity and its accuracy is the rewards': the card says which numbers these are."""
+    from transformers import GPT2LMHeadModel
+
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_10"
+    ckpt.mkdir(parents=True)
+    (ckpt / "manifest.json").write_text(json.dumps({"step": 10, "world_size": 1}))
+    stats = {"rewards/chosen": 0.02, "rewards/rejected": -0.03, "rewards/accuracy": 0.75, "rewards/margin": 0.05}
+    lines = [{"step": 10, "split": "train", "loss": 0.68, "tokens": 640, **stats},
+             {"step": 10, "split": "val", "loss": 0.69, "ppl": 18902.6, "accuracy": 0.75, "pairs": 4, "tokens": 16,
+              "held_out_tokens": 16, **stats}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    cfg = load_config(overrides=["data.train=pairs.jsonl", "train.objective=dpo", "preference.beta=0.5"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "chat_template.jinja").write_text("{{ messages }}")
+    write_card(tmp_path / "out", GPT2LMHeadModel(byte_gpt2_config(n_positions=32)), cfg, ckpt, "me/tiny")
+    card = (tmp_path / "out" / "README.md").read_text()
+    for part in ["| objective | dpo on preference pairs (preference.beta 0.5, reference precomputed) |",
+                 "| final train loss | 0.6800 at step 10 |",
+                 "| final validation loss | 0.6900 rewards/accuracy 0.750 rewards/margin 0.0500 (chosen 0.0200, "
+                 "rejected -0.0300) on 4 pairs, all 16 held-out tokens at step 10 |",
+                 'messages = [{"role": "user"', '[0]["generated_text"][-1]["content"]']:
+        assert part in card, part
+    assert "perplexity" not in card and "final validation accuracy" not in card and "ROMEO" not in card
+
+
 def test_push_to_hub_unreachable_is_one_line_and_keeps_the_export(hf_folder, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: connection refused
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")

@@ -7,6 +7,7 @@ loads onto its base."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -210,13 +211,30 @@ def _loss(record: dict | None) -> str | None:
 
     if not record or not isinstance(record.get("loss"), (int, float)):
         return None
+    if "rewards/margin" in record:  # a preference objective's loss: exp of it is no perplexity
+        return f"{record['loss']:.4f} at step {record['step']}"
     return f"{record['loss']:.4f} (perplexity {math.exp(min(record['loss'], 700)):.2f}) at step {record['step']}"
 
 
-def _val_loss(record: dict | None, cfg) -> str | None:
-    """The loss and which held-out tokens it is over: training scores a subset, `shardlm eval` all of them."""
-    from shardlm.observe.metrics import held_out_words
+def _objective(cfg) -> str | None:
+    """A preference run's objective and its settings (an sft run's next-token loss needs no row)."""
+    t, p = cfg.train, cfg.preference
+    if t.objective == "sft":
+        return None
+    settings = [f"preference.beta {p.beta:g}", *([f"gamma {p.gamma:g}"] if t.objective == "simpo" else []),
+                *([f"reference {p.reference}"] if t.objective in ("dpo", "ipo") else []),
+                *([f"rpo_alpha {p.rpo_alpha:g}"] if p.rpo_alpha and t.objective in ("dpo", "ipo") else [])]
+    return f"{t.objective} on preference pairs ({', '.join(settings)})"
 
+
+def _val_loss(record: dict | None, cfg) -> str | None:
+    """The loss and which held-out tokens it is over: training scores a subset, `shardlm eval` all of them. A
+    preference run's: its pair loss and rewards on its pairs (its loss is no next-token loss: no perplexity)."""
+    from shardlm.observe.metrics import describe_val, held_out_words
+
+    if record and "pairs" in record:
+        words = describe_val(record, record.get("held_out_tokens"), cfg and cfg.train.eval_batches)
+        return f"{words.removeprefix('loss ')} at step {record['step']}"
     loss = _loss(record)
     if record is None or loss is None or not isinstance(record.get("tokens"), int):
         return loss
@@ -261,13 +279,15 @@ def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
             ("steps", facts.get("step")),
             ("tokens seen", f"{train['tokens']:,}" if train and "tokens" in train else None),
             ("final train loss", _loss(train)), ("final validation loss", _val_loss(val, cfg)),
-            ("final validation accuracy", f"{val['accuracy']:.4f}" if val and val.get("accuracy") else None)]
+            ("final validation accuracy", f"{val['accuracy']:.4f}" if val and val.get("accuracy")
+             and "pairs" not in val else None)]
     if cfg:
         t, p = cfg.train, cfg.parallel
         rows += [("config", f"seq_len {cfg.data.seq_len}, batch {t.batch_size} x grad_accum {t.grad_accum} x "
                             f"{facts.get('world_size') or '?'} rank(s), lr {t.lr:g} (warmup {t.warmup_steps}, cosine "
                             f"to {t.lr * t.min_lr_ratio:g}), weight decay {t.weight_decay:g}, precision {p.precision}, "
                             f"seed {t.seed}"),
+                 ("objective", _objective(cfg)),
                  ("layout", layout(cfg, facts.get("world_size"), (train or {}).get("device"))),
                  ("LoRA", f"r {cfg.lora.r}, alpha {cfg.lora.alpha:g}" if cfg.lora.r else None)]
     return rows
@@ -278,7 +298,8 @@ def _loadable(base: str | None) -> str | None:
     return str(Path(base).expanduser().resolve()) if base and Path(base).expanduser().is_dir() else base
 
 
-def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, image: bool = False) -> str:
+def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, image: bool = False,
+               chat: bool = False) -> str:
     """README.md: what the model is, what it was trained on and how far, and how to load it."""
     base = cfg.model.name if cfg is not None and cfg.model.name else None
     meta = ["---", f"library_name: {'peft' if adapter else 'transformers'}", "pipeline_tag: text-generation",
@@ -287,6 +308,11 @@ def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, im
         load = ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
                 f'base = AutoModelForCausalLM.from_pretrained("{_loadable(base)}")',
                 f'model = PeftModel.from_pretrained(base, "{model_id}")', "```"]
+    elif chat:  # the folder's chat template renders the messages, as in training
+        load = ["```python", "from transformers import pipeline", "",
+                f'chat = pipeline("text-generation", model="{model_id}")',
+                'messages = [{"role": "user", "content": "Hello! Who are you?"}]',
+                'print(chat(messages, max_new_tokens=100)[0]["generated_text"][-1]["content"])', "```"]
     else:
         load = ["```python", "from transformers import pipeline", "",
                 f'generate = pipeline("text-generation", model="{model_id}")',
@@ -320,4 +346,13 @@ def write_card(folder: Path, model, cfg, ckpt: Path | None, model_id: str, adapt
         if fig is not None:
             fig.savefig(folder / "loss.png")
             image = True
-    (folder / "README.md").write_text(model_card(model, cfg, facts, model_id, adapter, image))
+    card = model_card(model, cfg, facts, model_id, adapter, image, chat=_has_chat_template(folder))
+    (folder / "README.md").write_text(card)
+
+
+def _has_chat_template(folder: Path) -> bool:
+    """The saved tokenizer's chat template: in chat_template.jinja (transformers >= 4.43) or tokenizer_config.json."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
