@@ -91,3 +91,23 @@ def test_plot_writes_pngs_and_overlays_runs(tmp_path):
     with pytest.raises(ShardlmError, match="no metrics records in a .*nothing to plot"):
         plot_runs([str(tmp_path / "a")])
     assert not (tmp_path / "a" / "plots").exists()
+
+
+def test_a_preference_run_gets_its_rewards_drawn_not_a_perplexity_of_its_pairs(tmp_path, capsys):
+    """A pair record's `ppl` (the chosen answers') and `accuracy` (the rewards') are not next-token metrics."""
+    stats = {"rewards/chosen": 0.1, "rewards/rejected": -0.2, "rewards/accuracy": 0.75, "rewards/margin": 0.3,
+             "logps/chosen": -20.0, "logps/rejected": -25.0}
+    pair_val = {**val(2, 18902.6), "pairs": 4, **stats}
+    run = write_run(tmp_path / "dpo", [train(1, **stats), train(2, **stats), pair_val])
+    written = {p.name for p in plot_runs([run])}
+    assert {"rewards.png", "reward_accuracy.png", "logps.png"} <= written
+    assert not {"val_perplexity.png", "val_accuracy.png"} & written
+    err = capsys.readouterr().err
+    assert "no val_perplexity.png: a preference run's validation scores pairs, not next tokens" in err
+    lines = draw(PANEL["reward_accuracy.png"], load_runs([run])).axes[0].get_lines()
+    assert [(line.get_label(), list(line.get_ydata())) for line in lines] == [
+        ("train reward accuracy", [75.0, 75.0]), ("val reward accuracy", [75.0])]
+    sft = write_run(tmp_path / "sft", [train(1, device="cpu"), val(1, 7.0)])
+    plot_runs([sft])
+    assert "rewards" not in capsys.readouterr().err  # an sft run has no pairs: nothing missing to explain
+

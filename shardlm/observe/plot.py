@@ -53,8 +53,16 @@ PANELS = (
           (("train", "router_aux_loss"),)),
     Panel("generation.png", "Generation quality (held-out prompts)", "score (0 to 1)",
           tuple(("gen", m) for m in ("distinct_2", "rep_4", "self_bleu", "rouge_l", "mauve")), y="zero"),
+    Panel("rewards.png", "Implicit rewards (preference pairs)", "reward (nats x beta)",
+          tuple((s, f"rewards/{side}") for s in ("train", "val") for side in ("chosen", "rejected"))),
+    Panel("reward_accuracy.png", "Reward accuracy (preference pairs)", "pairs with chosen reward > rejected (%)",
+          (("train", "rewards/accuracy"), ("val", "rewards/accuracy")), scale=100, y="zero"),
+    Panel("logps.png", "Answer log-probabilities (preference pairs)", "log-probability per answer (nats)",
+          tuple((s, f"logps/{side}") for s in ("train", "val") for side in ("chosen", "rejected"))),
 )
 MOE_PANELS = ("expert_load.png", "router_aux_loss.png")
+PAIR_PANELS = ("rewards.png", "reward_accuracy.png", "logps.png")
+TOKEN_METRICS = ("ppl", "accuracy")  # of text and examples; a pair record's (chosen answers' ppl, rewards') are not
 STYLES = ("-", "--", ":", "-.", (0, (3, 1, 1, 1, 1, 1)))  # one per series of a panel
 PEAK_MEM = {"cpu": "peak RSS of the process (CPU)", "cuda": "peak allocated by PyTorch (CUDA)",
             None: "peak memory (process RSS on CPU, allocated on GPU)"}
@@ -63,7 +71,8 @@ METRIC_NAMES = {"gpu_mem_used_gb": "GPU memory used (NVML)", "ppl": "perplexity"
                 "distinct_2": "distinct-2", "rep_4": "rep-4 (repetition)", "self_bleu": "self-BLEU",
                 "rouge_l": "ROUGE-L", "mauve": "MAUVE", "expert_load_min": "least-loaded expert",
                 "expert_load_max": "most-loaded expert", "expert_load_cv": "coefficient of variation",
-                "router_aux_loss": "aux loss"}
+                "router_aux_loss": "aux loss", "rewards/chosen": "chosen", "rewards/rejected": "rejected",
+                "rewards/accuracy": "reward accuracy", "logps/chosen": "chosen", "logps/rejected": "rejected"}
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -138,7 +147,8 @@ def log_axis(ax: Axes, ys: list[float]) -> None:
 
 def series_points(records: list[dict], split: str, metric: str, xkey: str) -> list[tuple[float, float]]:
     xkey = "tokens_seen" if split == "val" and xkey == "tokens" else xkey
-    pts = [(r.get(xkey), r.get(metric)) for r in records if r.get("split") == split]
+    pts = [(r.get(xkey), r.get(metric)) for r in records if r.get("split") == split
+           and not (metric in TOKEN_METRICS and "pairs" in r)]
     return [(x, y) for x, y in pts if x is not None and y is not None]
 
 
@@ -200,6 +210,10 @@ def why_missing(panel: Panel, runs: list[RunData]) -> str:
                              "writes them",
            "val_perplexity.png": "no validation records yet (train.eval_every, and one at the end)",
            "val_accuracy.png": "no validation records yet (train.eval_every, and one at the end)"}
+    if panel.file in ("val_perplexity.png", "val_accuracy.png") and any(
+            "pairs" in r for run in runs for r in run.records):
+        return (f"no {panel.file}: a preference run's validation scores pairs, not next tokens (rewards.png and "
+                "reward_accuracy.png draw them)")
     metrics = ", ".join(f"{split} {metric}" for split, metric in panel.series)
     return f"no {panel.file}: " + why.get(panel.file, f"no run has {metrics} records")
 
@@ -219,6 +233,6 @@ def plot_runs(runs: list[str], out: str | None = None,
         if (fig := draw(panel, data)) is not None:
             fig.savefig(out_dir / panel.file)
             written.append(out_dir / panel.file)
-        elif panel.file not in MOE_PANELS:  # a dense model has no router: nothing missing to explain
+        elif panel.file not in MOE_PANELS + PAIR_PANELS:  # a dense or sft run has none: nothing missing to explain
             log(why_missing(panel, data))
     return written
