@@ -80,6 +80,9 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, capsys):
     ("a.json", b'[\n {"text": "a"}\n]\n', "a.json:1: not valid JSON (Expecting value at column 2: is this one JSON"),
     ("a.jsonl", b'"just text"\n', 'a.jsonl:1: a string, not a JSON object: each line must be one object such as'),
     ("a.jsonl", b'{"body": "ok"}\n', "a.jsonl:1: no 'text' field in this record (fields found: body). Set data"),
+    ("a.jsonl", b'{"prompt": "p", "choosen": "a", "rejected": "b"}\n', "(fields found: prompt, choosen, rejected). It "
+     "has 'rejected' of a preference example, which needs 'chosen' and 'rejected': 'chosen' is missing (is 'choosen' "
+     "a misspelling?). Fix the field's name."),
     ("a.jsonl", b'{"text": 3}\n', "a.jsonl:1: field 'text' is a number, not a string"),
     ("a.parquet", b"PAR1", "a.parquet' is not a readable Parquet file (Parquet file size is 4 bytes"),
     ("a.pdf", b"%PDF", "suffix '.pdf'; shardlm reads .txt/.csv/.jsonl (also .gz/.zst), .parquet files"),

@@ -53,6 +53,23 @@ def detect(record: dict) -> tuple[str, str]:
     return "text", "text"
 
 
+def near_miss(record: dict) -> str:
+    """A hint for a record that detects as text but holds part of an example format's fields: the format it half
+    has, and the misspelled field it most likely means ("" when it holds none of them)."""
+    import difflib
+
+    names = [str(k) for k in record]
+    for keys, fmt, _ in VARIANTS:
+        have = [k for k in keys if k in record]
+        if have and len(have) < len(keys):
+            missing = [k for k in keys if k not in record]
+            guesses = [g for m in missing for g in difflib.get_close_matches(m, names, n=1, cutoff=0.7)]
+            meant = f" (is {', '.join(repr(g) for g in guesses)} a misspelling?)" if guesses else ""
+            return (f" It has {', '.join(repr(k) for k in have)} of a {fmt} example, which needs "
+                    f"{' and '.join(repr(k) for k in keys)}: {', '.join(repr(m) for m in missing)} is missing{meant}.")
+    return ""
+
+
 def variant_of(record: dict, fmt: str, where: str, text_field: str) -> str:
     """The variant of `record` within the configured format, or a clear error naming what is missing."""
     found_fmt, variant = detect(record)

@@ -22,6 +22,7 @@ from typing import Any
 
 from shardlm import ShardlmError
 from shardlm.data import readers, tables
+from shardlm.data.formats import near_miss
 from shardlm.data.readers import ReplaceCounter, inner_suffix
 from shardlm.hub import hub_reachable, nearest_path
 
@@ -202,8 +203,9 @@ def _record_text(path: Path, lineno: int, record: object, field: str) -> str:
                            f'each line must be one object such as {{"{field}": "..."}}.')
     if field not in record:
         found = ", ".join(list(map(str, record))[:10]) or "none"
-        raise ShardlmError(f"{where} no '{field}' field in this record (fields found: {found}). "
-                           "Set data.text_field to the field that holds the text.")
+        hint = near_miss(record)
+        raise ShardlmError(f"{where} no '{field}' field in this record (fields found: {found})." + (
+            f"{hint} Fix the field's name." if hint else " Set data.text_field to the field that holds the text."))
     text = record[field]
     if not isinstance(text, str):
         raise ShardlmError(f"{where} field '{field}' is {JSON_TYPES.get(type(text), type(text).__name__)}, "
