@@ -39,3 +39,15 @@ def test_generation_without_validation_data(hf_folder, tmp_path):
                                            "data holds 3: lower --generation or data.seq_len"):
         evaluate_path(str(hf_folder), [f"data.val={tmp_path / 'short.txt'}", "data.seq_len=32",
                                        f"data.cache_dir={tmp_path / 'cache'}"], gen=GenOptions(n=4))
+
+
+def test_eval_progress_lines_end_at_the_whole(capsys):
+    """Without a terminal: a line after the first batch (an early ETA), then the last one, not a stop at 53%."""
+    from shardlm.inference.evaluate import EvalProgress
+
+    progress = EvalProgress(total=193, steps=2)
+    progress.update(103)
+    progress.update(90)  # within every_s of the first line: not printed yet
+    progress.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split("  ")[0] for line in lines] == ["eval 103/193 tokens (53.4%)", "eval 193/193 tokens (100.0%)"]

@@ -60,6 +60,7 @@ class EvalProgress:
         self.total, self.done, self.steps, self.step, self.every_s = total, 0, steps, 0, every_s
         self.start = time.perf_counter()
         self.last: float | None = None
+        self.shown = 0  # tokens done at the last line printed
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -73,7 +74,7 @@ class EvalProgress:
             return
         now = time.perf_counter()
         if self.last is None or now - self.last >= self.every_s:
-            self.last = now
+            self.last, self.shown = now, self.done
             print(self.line(now), file=sys.stderr, flush=True)
 
     def line(self, now: float) -> str:
@@ -83,8 +84,11 @@ class EvalProgress:
                 f"{rate:,.0f} tok/s  ETA {eta}")
 
     def close(self) -> None:
+        """A bar closes; lines end with the last one, so the log does not stop at the first batch's share."""
         if self.bar is not None:
             self.bar.close()
+        elif self.last is not None and self.shown < self.done:
+            print(self.line(time.perf_counter()), file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
