@@ -166,10 +166,16 @@ def test_raising_max_steps_on_resume_keeps_the_learning_rate_continuous(corpus, 
     schedule = WarmupCosine(2, 10, 0.1)
     expected = {s: 3e-3 * schedule(s - 1) for s in range(1, 6)}
     schedule.configure(WarmupCosine(2, 20, 0.1), 5)
+    assert schedule.describe() == f"cosine to 0.1 x lr at step 20, the end moved: continued from {schedule(5):.3g} x " \
+                                  "lr at step 5"  # the header says what the note says
+    assert "schedule: cosine to 0.1 x lr at step 20, the end moved: continued from" in extended
     expected.update({s: 3e-3 * schedule(s - 1) for s in range(6, 21)})
     assert lr == pytest.approx(expected, rel=1e-6)
     assert all(lr[s + 1] <= lr[s] for s in range(2, 20)) and lr[20] < lr[6] < lr[5]
     assert lr[6] < 3e-3 * WarmupCosine(2, 20, 0.1)(5)  # below the stretched cosine, which rose again
+    ended = WarmupCosine(2, 10, 0.1)
+    ended.configure(WarmupCosine(2, 20, 0.1), 10)  # a finished run extended: it stays at its floor
+    assert ended.describe() == "cosine, the end moved: at its floor 0.1 x lr from step 10 to step 20"
 
 
 def test_resume_continues_a_run_from_its_saved_config(corpus, cache_dir, tmp_path):

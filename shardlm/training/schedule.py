@@ -82,7 +82,14 @@ class Schedule:
         raise NotImplementedError
 
     def describe(self) -> str:
-        """For the run header: `cosine to 0.1 x lr at step 1000 after 20 warmup steps`."""
+        """For the run header: `cosine to 0.1 x lr at step 1000 after 20 warmup steps`; after a resume moved the
+        end, where it continues from (the floor it stays at, or the value it decays from)."""
+        if self.decay_from is not None and self.decay_top == self.min_ratio:
+            return (f"{self.kind}, the end moved: at its floor {self.min_ratio:g} x lr from step {self.decay_from} to "
+                    f"step {self.total}")
+        if self.decay_from is not None:
+            return (f"{self.kind}{self._shape()}, the end moved: continued from {self.decay_top:.3g} x lr at step "
+                    f"{self.decay_from}")
         return f"{self.kind}{self._shape()}, {self.warmup} warmup steps"
 
     def _shape(self) -> str:
