@@ -78,9 +78,14 @@ def sample_answers(hf, run: Run, max_new_tokens: int, n: int = 3) -> str:
         examples = held_out_examples(spec, "validation", d, None if d.val else d.val_fraction, n)
     except ShardlmError:  # a mixture whose first source is text: no prompts to answer
         return ""
-    lines = [f"prompt: {s.prompt!r}\n  answer: {s.answer!r}   reference: {s.reference!r}"
+    lines = [f"prompt: {_clipped(s.prompt)}\n  answer: {_clipped(s.answer)}   reference: {_clipped(s.reference)}"
              for s in score(hf.eval(), run.tokenizer, examples, max_new_tokens, quiet=True)]
     return "---- answers to held-out prompts (greedy) ----\n" + "\n".join(lines) + "\n----\n"
+
+
+def _clipped(text: str, limit: int = 160) -> str:
+    """An answer that runs on without its end of turn (an early model) would fill the console: its start."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text) - limit:,} more characters)"
 
 
 def generation_callback(run: Run) -> list[GenerationQuality]:

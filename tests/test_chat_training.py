@@ -111,3 +111,12 @@ def test_dry_run_shows_the_trained_tokens_and_eval_generate_speak_chat(one_proce
                                                                      "interactive loop and needs a terminal")):
         proc = shardlm_cli(args, check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_a_run_on_answer_in_the_closing_sample_is_clipped():
+    """An early model that never ends its turn writes up to train.sample_tokens per answer: the console shows
+    its start and how much more there is."""
+    from shardlm.runner import _clipped
+
+    assert _clipped("olleh") == "'olleh'"
+    assert _clipped(" noticing" * 60) == repr((" noticing" * 60)[:160]) + "... (380 more characters)"
