@@ -280,3 +280,16 @@ def test_a_pair_scores_what_instruction_tuning_trains(name):
     with pytest.raises(ShardlmError, match="ends with a 'user' message; each side must end with the assistant's"):
         pair_ids(tok, to_pair({"prompt": prompt, "chosen": CONVERSATION[1:3],
                                "rejected": CONVERSATION[1:2]}, "x"), "x")
+
+
+def test_a_conversation_ending_after_its_last_answer_is_counted_and_warned(tmp_path):
+    """A trailing user turn has no answer to train: harmless, but likely a mistake in the data, so it is said."""
+    trailing = {"messages": [*CONVERSATION[:2], {"role": "user", "content": "thanks"}]}
+    source = resolve(str(write_jsonl(tmp_path / "chat.jsonl", [GOOD, trailing, trailing])))
+    tok = load_tokenizer("bytes")
+    set_chat_template(tok, "plain")
+    said: list[str] = []
+    folder = build_examples(source, tok, DataConfig(format="chat"), tmp_path / "cache", log=said.append)
+    assert load_examples(folder).meta["unanswered"] == 2 and len(load_examples(folder)) == 3
+    assert any(s.startswith("warning: 2 conversation(s) of ") and "end with a message after the last assistant "
+               "answer" in s for s in said), said

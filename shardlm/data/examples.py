@@ -113,7 +113,7 @@ def iter_examples(source: Source, fmt: str, variant: str, first_where: str, cfg:
 def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_where: str, tmp: Path) -> dict:
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
     offsets, records, skipped = [0], [], []  # type: list[int], list[int], list[str]
-    targets = identical = 0
+    targets = identical = unanswered = 0
     with open(tmp / "tokens.bin", "wb") as ids_out, open(tmp / "labels.bin", "wb") as labels_out:
         for n, where, example in iter_examples(source, fmt, variant, first_where, cfg, skipped):
             try:
@@ -124,6 +124,8 @@ def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_w
                 skipped.append(str(e))
                 continue
             identical += isinstance(example, Pair) and example.identical
+            unanswered += isinstance(example, Example) and example.is_chat and \
+                example.messages[-1].get("role") != "assistant"
             for ids, mask in sequences:  # a pair is two examples: prompt + chosen, prompt + rejected
                 ids_out.write(np.asarray(ids, dtype=dtype).tobytes())
                 labels_out.write(mask.astype(np.uint8).tobytes())
@@ -137,7 +139,8 @@ def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_w
         raise ShardlmError(f"data source '{source.spec}' holds no {fmt} examples{why}. Give examples, or fix them.")
     return {"examples": len(records), "num_tokens": offsets[-1], "targets": targets, "dtype": np.dtype(dtype).name,
             "format": fmt, "variant": variant, "skipped": len(skipped), "first_skipped": skipped[:3],
-            **({"pairs": len(records) // 2, "identical_pairs": identical} if fmt == "preference" else {})}
+            **({"pairs": len(records) // 2, "identical_pairs": identical} if fmt == "preference" else {}),
+            **({"unanswered": unanswered} if fmt == "chat" else {})}
 
 
 def _sequences(tok, example: Example | Pair, where: str, train_on_prompt: bool) -> list[tuple[list[int], np.ndarray]]:
@@ -163,6 +166,10 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
         if meta.get("identical_pairs"):
             log(f"warning: {meta['identical_pairs']:,} pair(s) of {source.spec} have the same chosen and rejected "
                 "answer: they teach nothing (their DPO loss is constant)")
+        if meta.get("unanswered"):
+            log(f"warning: {meta['unanswered']:,} conversation(s) of {source.spec} end with a message after the last "
+                "assistant answer: that turn is context with no answer to train (end each with the assistant's "
+                "answer, or drop the trailing turn)")
         if meta["skipped"]:
             log(f"warning: skipped {meta['skipped']:,} bad example{'s' if meta['skipped'] != 1 else ''} "
                 f"(data.on_bad_example=skip); the first: {meta['first_skipped'][0]}")
