@@ -84,3 +84,25 @@ def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
             model_tokenizer(load_config(None, [f"model.name={name}"]).model)
     check_model_path(str(tmp_path / "m"))
     check_model_path("some-org/model")  # a hub name: the hub decides
+
+
+def test_transformers_padding_alarm_is_dropped_for_shardlms_packed_rows(hf_folder):
+    """Rows ending with EOS (= the pad id of most models) made transformers print two lines in runs on text pairs;
+    shardlm's rows carry their own positions and sequence ids. The filter drops that message only, and it is the
+    message transformers writes."""
+    import inspect
+    import logging
+
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    from shardlm.models.causal_lm import CausalLM
+
+    CausalLM(AutoModelForCausalLM.from_pretrained(hf_folder))
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def passes(message: str) -> bool:
+        return bool(logger.filter(logging.LogRecord(logger.name, logging.WARNING, "", 0, message, None, None)))
+
+    alarm = "We strongly recommend passing in an `attention_mask` since your input_ids may be padded."
+    assert alarm.split(" since")[0] in inspect.getsource(PreTrainedModel.warn_if_padding_and_no_attention_mask)
+    assert not passes(alarm) and passes("Some weights of the model checkpoint were not used")

@@ -7,6 +7,7 @@ lm_head/wte weight is unsharded exactly while the loss needs it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,11 +54,24 @@ def logit_transform(hf_config) -> str | None:
     return next((k for k in LOGIT_TRANSFORMS if getattr(hf_config, k, None) not in (None, 1, 1.0)), None)
 
 
+class _NoPaddingAlarm(logging.Filter):
+    """transformers warns when a row starts or ends with the pad id and no attention mask is given. shardlm's rows
+    are packed with their own positions and sequence ids, and the pad id is usually EOS (text pairs end with it):
+    the warning, two lines in every run on such data, is about nothing shardlm feeds a model."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("We strongly recommend passing in an `attention_mask`")
+
+
+NO_PADDING_ALARM = _NoPaddingAlarm()
+
+
 class CausalLM(nn.Module):
     def __init__(self, hf_model: nn.Module, loss_chunk_size: int = 0):
         from transformers import PreTrainedModel
 
         super().__init__()
+        logging.getLogger("transformers.modeling_utils").addFilter(NO_PADDING_ALARM)  # once: a set of filters
         if not isinstance(hf_model, PreTrainedModel):
             raise TypeError(f"CausalLM wraps a transformers PreTrainedModel, not a {type(hf_model).__name__}")
         self.hf: PreTrainedModel = hf_model
