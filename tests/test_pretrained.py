@@ -77,8 +77,11 @@ def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
 
     byte_gpt2_config().save_pretrained(tmp_path / "m")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "sft" / "checkpoints").mkdir(parents=True)  # a run folder: the next step of the flow is to export
     for name, message in ((tmp_path / "m" / "config.json", "config.json' is a file, not a folder. Point model.name"),
                           (tmp_path / "empty", "empty': it is a folder without a config.json."),
+                          (tmp_path / "sft", rf"sft' is a shardlm run \(or checkpoint\), not a model folder: export it "
+                                          rf"first, `shardlm export {tmp_path}/sft {tmp_path}/sft-hf`"),
                           (tmp_path / "runs" / "m", "m' is a path that does not exist. Point model.name")):
         with pytest.raises(ShardlmError, match=message):
             model_tokenizer(load_config(None, [f"model.name={name}"]).model)
