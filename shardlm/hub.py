@@ -81,13 +81,12 @@ def check_model_path(name: str) -> None:
     otherwise fail on a mistyped path and blame itself (advising model.tokenizer=gpt2)."""
     path = Path(name).expanduser()
     if path.is_dir():
-        if (path / "checkpoints").is_dir() or (path / "manifest.json").is_file():  # a run folder or a checkpoint
-            raise ShardlmError(f"model.name '{name}' is a shardlm run (or checkpoint), not a model folder: export it "
-                               f"first, `shardlm export {name} {name.rstrip('/')}-hf`, and set "
-                               f"model.name={name.rstrip('/')}-hf (or continue that run: shardlm resume {name}).")
         if not (path / "config.json").is_file():
+            out = f"{name.rstrip('/')}-hf"
             raise ShardlmError(f"cannot load model '{name}': it is a folder without a config.json. Point model.name "
-                               "at a folder saved with save_pretrained or `shardlm export` (config.json and weights).")
+                               "at a folder saved with save_pretrained or `shardlm export` (config.json and weights); "
+                               f"a shardlm run or checkpoint is exported first: shardlm export {name} {out}, then "
+                               f"model.name={out}.")
         return
     if not looks_like_path(name):
         return

@@ -80,8 +80,8 @@ def test_a_model_path_that_is_a_file_or_a_folder_without_config(tmp_path):
     (tmp_path / "sft" / "checkpoints").mkdir(parents=True)  # a run folder: the next step of the flow is to export
     for name, message in ((tmp_path / "m" / "config.json", "config.json' is a file, not a folder. Point model.name"),
                           (tmp_path / "empty", "empty': it is a folder without a config.json."),
-                          (tmp_path / "sft", rf"sft' is a shardlm run \(or checkpoint\), not a model folder: export it "
-                                          rf"first, `shardlm export {tmp_path}/sft {tmp_path}/sft-hf`"),
+                          (tmp_path / "sft", rf"a shardlm run or checkpoint is exported first: shardlm export "
+                                          rf"{tmp_path}/sft {tmp_path}/sft-hf, then model.name={tmp_path}/sft-hf\."),
                           (tmp_path / "runs" / "m", "m' is a path that does not exist. Point model.name")):
         with pytest.raises(ShardlmError, match=message):
             model_tokenizer(load_config(None, [f"model.name={name}"]).model)
