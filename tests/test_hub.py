@@ -57,8 +57,7 @@ def test_a_preference_runs_card_names_its_objective_and_rewards_and_a_chat_model
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     cfg = load_config(overrides=["data.train=pairs.jsonl", "train.objective=dpo", "preference.beta=0.5"])
     (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "chat_template.jinja").write_text("{{ messages }}")
-    write_card(tmp_path / "out", GPT2LMHeadModel(byte_gpt2_config(n_positions=32)), cfg, ckpt, "me/tiny")
+    write_card(tmp_path / "out", GPT2LMHeadModel(byte_gpt2_config(n_positions=32)), cfg, ckpt, "me/tiny", chat=True)
     card = (tmp_path / "out" / "README.md").read_text()
     for part in ["| objective | dpo on preference pairs (preference.beta 0.5, reference precomputed) |",
                  "| final train loss | 0.6800 at step 10 |",

@@ -7,7 +7,6 @@ loads onto its base."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -144,7 +143,7 @@ def export(path: str | Path, out_dir: str | Path, max_shard_size: str = "2GB", a
         model.save_pretrained(str(tmp), safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(str(tmp))
         save_slow_tokenizer_files(tokenizer, tmp)
-        write_card(tmp, model, _run_config(ckpt), ckpt, repo_id or str(out))
+        write_card(tmp, model, _run_config(ckpt), ckpt, repo_id or str(out), chat=bool(tokenizer.chat_template))
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ShardlmError(f"export to '{out}' failed: {e.strerror or e}.") from None
@@ -336,7 +335,9 @@ def model_card(model, cfg, facts: dict, model_id: str, adapter: bool = False, im
                       "data; set a `license:` above accordingly before sharing. shardlm itself is MIT-licensed.", ""])
 
 
-def write_card(folder: Path, model, cfg, ckpt: Path | None, model_id: str, adapter: bool = False) -> None:
+def write_card(folder: Path, model, cfg, ckpt: Path | None, model_id: str, adapter: bool = False,
+               chat: bool = False) -> None:
+    """`chat`: the exported tokenizer has a chat template (the card then shows pipeline use with messages)."""
     from shardlm.observe.plot import PANELS, draw, load_runs
 
     facts = run_facts(ckpt)
@@ -346,13 +347,4 @@ def write_card(folder: Path, model, cfg, ckpt: Path | None, model_id: str, adapt
         if fig is not None:
             fig.savefig(folder / "loss.png")
             image = True
-    card = model_card(model, cfg, facts, model_id, adapter, image, chat=_has_chat_template(folder))
-    (folder / "README.md").write_text(card)
-
-
-def _has_chat_template(folder: Path) -> bool:
-    """The saved tokenizer's chat template: in chat_template.jinja (transformers >= 4.43) or tokenizer_config.json."""
-    if (folder / "chat_template.jinja").is_file():
-        return True
-    config = folder / "tokenizer_config.json"
-    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+    (folder / "README.md").write_text(model_card(model, cfg, facts, model_id, adapter, image, chat))
