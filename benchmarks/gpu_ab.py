@@ -19,7 +19,7 @@ The variants (GPT-2 124M, seq 1024, micro-batch 32, vocabulary padded to 64, com
   xl_fp8          the same in fp8
   xl_b16          GPT-2 XL at micro-batch 16, bf16 (the 50% MFU goal: a larger batch feeds the matmuls more)
   xl_fp8_blocks   xl_fp8 with parallel.compile=blocks: one block's graph compiled and reused, so the compile does
-                  not grow with the depth (on CPU, 12 blocks: 20 s against 71 s; benchmarks/compile_time.py)
+                  not grow with the depth (on CPU, 12 fp8 blocks: 34 s against 94 s; benchmarks/compile_time.py)
   xl_bf16_blocks  xl_bf16 with parallel.compile=blocks: what whole-model fusion is worth at XL
   hf              HF Trainer (torch_compile, SDPA, the same padding, batch and data): its tokens/s
   b64             micro-batch 64 with today's defaults (train.loss_chunk_size null: the plain compiled loss)
