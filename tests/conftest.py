@@ -34,6 +34,14 @@ def _device_of_the_test(request):
     helpers._device = "cpu"
 
 
+@pytest.fixture(autouse=True)
+def _own_folder(tmp_path_factory, monkeypatch):
+    """Each test runs in an empty folder of its own, so what the checkout holds (a `runs/` made by `make demo`, a
+    local file named like a config or a model) never changes what a relative path means, and nothing a test
+    writes by a relative path lands in the checkout. A test that needs the checkout names it (helpers.ROOT)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "shakespeare_small.txt"

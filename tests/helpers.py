@@ -65,8 +65,9 @@ def python_cmd(*args: str, nproc: int = 0) -> list[str]:
 
 
 def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeout: int = 300,
-                check: bool = True, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """`python -m shardlm ARGS` (under torchrun with nproc > 1), seeing no GPU unless the test is marked cuda."""
+                check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m shardlm ARGS` (under torchrun with nproc > 1), seeing no GPU unless the test is marked cuda; in
+    the test's own folder (conftest's `_own_folder`) unless `cwd` says otherwise."""
     cmd = python_cmd("-m", "shardlm", *args, nproc=nproc)
     hide_gpus = {} if _device == "auto" else {"CUDA_VISIBLE_DEVICES": ""}
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **hide_gpus, **(env or {})}

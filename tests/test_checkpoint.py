@@ -13,7 +13,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from faults import fault
 
-from helpers import ROOT, by_step, kill_tree, python_cmd, records, shardlm_cli, tiny
+from helpers import by_step, kill_tree, python_cmd, records, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import is_complete, list_checkpoints, newest_complete
 from shardlm.config import load_config
@@ -48,7 +48,7 @@ def test_kill_after_save_resumes_bit_exact(reference, corpus, cache_dir, tmp_pat
 def test_kill_during_save_falls_back_and_resumes_exact(reference, corpus, cache_dir, tmp_path):
     cmd = python_cmd("-m", "shardlm", *ckpt_args(corpus, cache_dir, tmp_path), fault("PauseInSave(8)"), nproc=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 240
     while not (tmp_path / "paused_in_save").exists():
@@ -124,7 +124,7 @@ def test_sigterm_saves_exits_zero_and_resumes_exact(reference, corpus, cache_dir
 def test_real_sigterm_single_process(corpus, cache_dir, tmp_path):
     cmd = [sys.executable, "-m", "shardlm", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 100000})]
     cmd.insert(3, "train")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (tmp_path / "metrics.jsonl").exists() or len(records(tmp_path)) < 3:
         assert time.time() < deadline and proc.poll() is None

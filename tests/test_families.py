@@ -92,7 +92,7 @@ def test_fsdp_equals_one_process_resumes_exactly_and_exports_for_every_family(fo
         script = [str(ROOT / "tests" / "scripts" / "family_losses.py"), f"run{nproc}", *flags,
                   *map(str, folders.values()), "--", *overrides, f"train.batch_size={batch}",
                   f"train.grad_accum={accum}"]
-        out = subprocess.run(python_cmd(*script, nproc=nproc), cwd=ROOT, env=env, capture_output=True, text=True,
+        out = subprocess.run(python_cmd(*script, nproc=nproc), env=env, capture_output=True, text=True,
                              timeout=600)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, kill_tree, records, tiny
+from helpers import kill_tree, records, tiny
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import newest_complete
 from shardlm.distributed.process_group import detect_launch, expand_nodelist
@@ -107,7 +107,7 @@ def test_ctrl_c_under_nproc_saves_and_exits_zero_with_one_line(corpus, cache_dir
     cmd = [sys.executable, "-m", "shardlm", "train", "--nproc", "2",
            *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 100000})]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120

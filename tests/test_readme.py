@@ -18,9 +18,10 @@ import sys
 import pytest
 import yaml
 
-from helpers import ROOT, tiny
+from helpers import ROOT, byte_gpt2_config, tiny
 from shardlm.cli import cmd_train, parse_args
 from shardlm.config import load_config, to_flat_dict
+from shardlm.tokenizer import byte_tokenizer, set_chat_template
 
 README = ROOT / "README.md"
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -110,6 +111,22 @@ def test_plain_train_is_the_shakespeare_config():
                                                                       if k != "out_dir"}
 
 
+def flow_model(config) -> None:
+    """The exported model a config of a flow starts from (dpo_tiny's `runs/chat_tiny-hf`), as the flow's earlier
+    steps make it, in the test's own folder: the dry run then checks the model and counts the blocks instead of
+    taking the path for a hub name it cannot reach."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    values = yaml.safe_load(config.read_text())
+    tok = byte_tokenizer()
+    set_chat_template(tok, "chatml")  # chat_tiny's
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(byte_gpt2_config(vocab_size=len(tok), n_positions=values["data"]["seq_len"]))
+    model.save_pretrained(values["model"]["name"])
+    tok.save_pretrained(values["model"]["name"])
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -119,9 +136,12 @@ def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
         extra = [f"data.train={tmp_path / 'corpus.csv'}"]
     if str(yaml.safe_load(config.read_text()).get("data", {}).get("train")).startswith("runs/"):
         extra = ["data.train=chat_pairs", "data.val=chat_pairs_val"]  # made by the flow's earlier steps (dpo_tiny)
+        flow_model(config)
     assert cmd_train(parse_args(["train", str(config), "--dry-run", "--nproc", "2", *extra])) == 0
     out = capsys.readouterr().out
     assert "dry run: the config is valid" in out and "plan: 2 rank(s)" in out
+    if extra[:1] == ["data.train=chat_pairs"]:  # the flow's model was checked, not taken for a hub name
+        assert "tokenizer runs/chat_tiny-hf, 259 tokens" in out, out
 
 
 def test_options_overrides_and_files_mix_in_any_order(capsys):

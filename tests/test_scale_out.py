@@ -11,7 +11,7 @@ import time
 import pytest
 from faults import fault
 
-from helpers import ROOT, losses, records, shardlm_cli, tiny
+from helpers import losses, records, shardlm_cli, tiny
 
 
 def free_port() -> int:
@@ -69,7 +69,7 @@ def test_mpi_style_launch_two_nodes_hybrid(single, corpus, cache_dir, tmp_path):
                "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         cmd = [sys.executable, "-m", "shardlm", "train",
                *tiny(corpus, cache_dir, out, **{"train.batch_size": 2, "parallel.sharding": "hybrid_full"})]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outputs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
@@ -84,7 +84,7 @@ def test_real_mpiexec_launch_matches_one_process(single, corpus, cache_dir, tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "shardlm", "train",
            *tiny(corpus, cache_dir, out, **{"train.batch_size": 4})]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "mpi launch: 2 rank(s) on 1 node(s)" in proc.stdout
     assert losses(out) == pytest.approx(single, rel=1e-4)

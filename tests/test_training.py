@@ -79,7 +79,7 @@ def test_validation_metrics_equal_hf_labels_loss(corpus, cache_dir, tmp_path, ch
 def test_tied_weights_survive_sharding(corpus, cache_dir, tmp_path):
     out = subprocess.run(python_cmd(str(ROOT / "tests/scripts/tied_check.py"), *tiny(corpus, cache_dir, tmp_path),
                                     nproc=2),
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "TIED OK" in out.stdout and "LOCAL STEP OK" in out.stdout
 

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from faults import fault
 
 from helpers import losses, records, shardlm_cli, tiny
 from shardlm import ShardlmError
@@ -73,7 +74,7 @@ def test_resume_is_exact_compilations_stay_bounded_and_the_export_loads_on_cpu(c
              "train.sample_tokens": 8}  # the end-of-training sample gathers the weights from the devices
     train(corpus, cache_dir, tmp_path / "ref", 2, **extra)
     killed = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / "run", **{
-        "train.batch_size": 4, "parallel.device": "xla", **extra}), "--callback=tests/faults.py:KillAfterSave(8)"],
+        "train.batch_size": 4, "parallel.device": "xla", **extra}), fault("KillAfterSave(8)")],
         env=xla_env(2), check=False)
     assert killed.returncode != 0
     shutil.copytree(tmp_path / "run", tmp_path / "on_cpu")  # the same checkpoint, resumed on the plain CPU path
