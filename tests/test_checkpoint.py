@@ -59,9 +59,17 @@ def test_kill_during_save_falls_back_and_resumes_exact(reference, corpus, cache_
     torn = tmp_path / "checkpoints" / "step_000000008.tmp"
     assert torn.is_dir() and not (torn / "manifest.json").exists()
     assert newest_complete(tmp_path, log=lambda _: None).name == "step_000000004"
-    shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path), nproc=2)
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"step": 9, "spl')  # a record the kill cut short
+    resumed = shardlm_cli(ckpt_args(corpus, cache_dir, tmp_path), nproc=2)
     assert by_step(tmp_path) == reference
     assert not torn.exists()  # the stale temporary folder is cleaned up
+    # the killed attempt's records of steps 5-8 (trained again) are moved aside: one record per step
+    assert [r["step"] for r in records(tmp_path)] == list(range(1, STEPS + 1))
+    aside = (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in aside[:-1]] == [5, 6, 7, 8] and aside[-1] == '{"step": 9, "spl'
+    assert "metrics.jsonl: 4 records of steps 5-8 and a line cut short by a kill, written after step 4" \
+        in resumed.stdout, resumed.stdout
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The run folder's layout: the one owner of its file names, and the readers that find checkpoints in it.
 
-    OUT_DIR/config.yaml  metrics.jsonl  tensorboard/  plots/  hf/
+    OUT_DIR/config.yaml  metrics.jsonl  metrics.superseded.jsonl  tensorboard/  plots/  hf/
     OUT_DIR/checkpoints/latest  step_000000123/{manifest.json, trainer_state.json, config.yaml, hf_config.json,
                                                 tokenizer/, rng_rank00000.json, .metadata, DCP shards}
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 CONFIG = "config.yaml"  # the run's resolved config (run folder and each checkpoint)
 METRICS = "metrics.jsonl"
+SUPERSEDED = "metrics.superseded.jsonl"  # records of steps a resumed run trained again (shardlm.observe.metrics)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MANIFEST = "manifest.json"  # written last: its presence makes a checkpoint complete
@@ -142,3 +143,7 @@ def tokenizer_dir(ckpt: Path) -> Path:
 
 def metrics_file(run_dir: Path) -> Path:
     return run_dir / METRICS
+
+
+def superseded_file(run_dir: Path) -> Path:
+    return run_dir / SUPERSEDED

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from shardlm import ShardlmError
-from shardlm.checkpoint.layout import metrics_file
+from shardlm.checkpoint.layout import SUPERSEDED, metrics_file, superseded_file
 
 
 def flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int, causal: bool = False) -> float:
@@ -50,12 +51,60 @@ def describe_val(result: dict, held_out: int | None, eval_batches: int | None) -
             f"{result['rewards/rejected']:.4f}) on {result['pairs']:,} pairs, {scope.removeprefix('on ')}")
 
 
+def _step_of(line: str) -> int | None:
+    """A record's step; None for a line that is not a record (a write cut short by a kill)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("step") if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def supersede(out_dir: Path, step: int) -> str | None:
+    """Before a run continues from `step` (a checkpoint's, or 0): the records of later steps, written by an attempt
+    that stopped before its next save and trained again now, move from metrics.jsonl to metrics.superseded.jsonl,
+    so each step has one record (plots and readers see one history) and nothing is lost. A last line cut short by
+    a kill goes with them. Returns a note saying so, or None when there were none."""
+    path = metrics_file(out_dir)
+    if not path.is_file():
+        return None
+    lines = path.read_text(encoding="utf-8", errors="surrogateescape").splitlines(keepends=True)
+    keep: list[str] = []
+    moved: list[str] = []
+    torn = False
+    for i, line in enumerate(lines):
+        found = _step_of(line)
+        torn = found is None and i == len(lines) - 1 and not line.endswith("\n")
+        target = moved if torn or (found is not None and found > step) else keep
+        target.append(line if line.endswith("\n") else line + "\n")
+    if not moved:
+        if lines and not lines[-1].endswith("\n"):  # a record cut before its newline: the next must not join it
+            with open(path, "a") as fh:
+                fh.write("\n")
+        return None
+    with open(superseded_file(out_dir), "a", encoding="utf-8", errors="surrogateescape") as fh:
+        fh.writelines(moved)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text("".join(keep), encoding="utf-8", errors="surrogateescape")
+    os.replace(tmp, path)
+    steps = [s for s in map(_step_of, moved) if s is not None]
+    cut = "a line cut short by a kill" if torn else ""
+    if not steps:
+        return f"metrics.jsonl: {cut} moved to {SUPERSEDED}"
+    span = f"s {min(steps)}-{max(steps)}" if max(steps) > min(steps) else f" {steps[0]}"
+    return (f"metrics.jsonl: {len(steps)} record{'s' if len(steps) != 1 else ''} of step{span}{' and ' * torn}{cut}, "
+            f"written after step {step} by an attempt that stopped before saving them, moved to {SUPERSEDED} (this "
+            "run trains those steps again)")
+
+
 class MetricsLog:
     """`metrics.jsonl` (one flushed line per record, so it can be tailed), TensorBoard and, given `cfg` with
-    log.wandb / log.mlflow on, those trackers (shardlm.observe.tracking); `trackers` passes started ones instead."""
+    log.wandb / log.mlflow on, those trackers (shardlm.observe.tracking); `trackers` passes started ones instead.
+    `first_step` (a run's, when it starts or resumes): a killed attempt's records past it are superseded (`supersede`;
+    its note is `self.note`), and TensorBoard hides its events past it."""
 
     def __init__(self, out_dir: Path, tensorboard: bool, enabled: bool, trackers: list | None = None,
-                 cfg=None):
+                 cfg=None, first_step: int | None = None):
         self.enabled = enabled
         if cfg is not None:
             from shardlm.observe import tracking
@@ -63,12 +112,14 @@ class MetricsLog:
             tracking.require(cfg.log)  # on every rank, so all of them stop with the same one-line error
         if enabled:
             out_dir.mkdir(parents=True, exist_ok=True)
+        self.note = supersede(out_dir, first_step) if enabled and first_step is not None else None
         self.file = open(metrics_file(out_dir), "a") if enabled else None  # noqa: SIM115
         self.tb = None
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            purge = first_step + 1 if first_step is not None and (out_dir / "tensorboard").is_dir() else None
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=purge)
         self.trackers = list(trackers or [])
         if enabled and cfg is not None and trackers is None:
             from shardlm.observe import tracking

@@ -93,10 +93,12 @@ class Reporter:
         self.tokens_per_step = global_batch(run) * cfg.data.seq_len
         self.flops_per_token, self.peak_flops = model_flops_per_token(run), peak_flops(d.device)
         self.causal_share = model_flops_per_token(run, causal=True) / self.flops_per_token  # llm.c's MFU / ours
-        self.log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main, cfg=cfg)
+        self.log = MetricsLog(run.out_dir, cfg.log.tensorboard, d.is_main, cfg=cfg, first_step=first_step)
         if (router_stats := getattr(run.model, "router_stats", None)) is not None:
             router_stats.zero_()  # a model built on meta has it uninitialized
         d.print(run_header(run))
+        if self.log.note:
+            d.print(self.log.note)
         self.progress = Progress(self.total, cfg.log.progress, d.is_main, initial=first_step)
         self.eta, self.timer, self.began = Eta(self.total), StepTimer(), time.time()
         self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
