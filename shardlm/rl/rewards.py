@@ -1,0 +1,306 @@
+"""Reward functions of online RL (`grpo.rewards`): built-ins that need no code, and the user's own named
+`module:function` (or `path/to/file.py:function`), called as TRL's `GRPOTrainer` calls them.
+
+A reward function gets `prompts`, `completions` (strings; for conversational prompts, TRL's one-message lists
+`[{"role": "assistant", "content": ...}]`), `completion_ids` and every other field of the prompt data as a
+keyword list, one entry per completion, and returns one float per completion, or None where it does not apply.
+Everything that can go wrong with a user's function is reported in one line naming the function (and, for a
+value, the prompt), because a reward bug otherwise shows only as a run that does not learn.
+
+Built-ins (`answer` is the reference field, as `eval --exact-match` and chat data's last answer provide it):
+- `exact_match`: 1 when the completion equals `answer` after trimming whitespace at both ends, else 0 (the rule
+  of `shardlm eval --exact-match`).
+- `partial_match`: credit per character position, for answers that are built one character at a time (the
+  bundled chat tasks' reverse and uppercase): 1 for the right character, 1/2 for the right letter in the wrong
+  case, over the longer of the two trimmed texts, so missing and extra characters cost alike.
+- `numeric`: 1 when the last number in the completion equals the last number in `answer`, else 0; None
+  where `answer` holds no number (TRL's convention for a reference that cannot be parsed).
+- `format`: 1 when the whole trimmed completion matches `grpo.format_pattern` (a regex; `.` matches newlines).
+- `length`: DAPO's soft overlong penalty (TRL's `get_soft_overlong_punishment`), on the completion's tokens:
+  0 up to max_completion_length - cache, then down linearly to -1 at max_completion_length.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardlm import ShardlmError
+from shardlm.config import GrpoConfig, nearest
+
+RewardFn = Callable[..., Sequence[float | None]]
+SIGNATURE = "def f(prompts, completions, **kwargs) -> list[float | None]"
+# Keywords every reward function is called with besides the data's fields (TRL passes the same three).
+CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def text_of(completion: Any) -> str:
+    """A completion's text: itself, or the content of the last message of a conversational one."""
+    if isinstance(completion, list):
+        return str(completion[-1]["content"]) if completion else ""
+    return str(completion)
+
+
+def exact_match(completions: list, answer: list, **_: Any) -> list[float | None]:
+    return [float(text_of(c).strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
+
+
+def partial_credit(text: str, reference: str) -> float:
+    text, reference = text.strip(), reference.strip()
+    width = max(len(text), len(reference))
+    if not width:
+        return 1.0
+    pairs = zip(text, reference, strict=False)  # the longer text's extra characters score 0
+    same = sum(1.0 if x == y else 0.5 if x.lower() == y.lower() else 0.0 for x, y in pairs)
+    return same / width
+
+
+def partial_match(completions: list, answer: list, **_: Any) -> list[float | None]:
+    return [partial_credit(text_of(c), str(a)) for c, a in zip(completions, answer, strict=True)]
+
+
+def last_number(text: str) -> float | None:
+    found = NUMBER.findall(text)
+    if not found:
+        return None
+    try:
+        return float(found[-1].replace(",", ""))
+    except ValueError:  # a stray comma run such as "1,,"
+        return None
+
+
+def numeric(completions: list, answer: list, **_: Any) -> list[float | None]:
+    out: list[float | None] = []
+    for c, a in zip(completions, answer, strict=True):
+        want, got = last_number(str(a)), last_number(text_of(c))
+        out.append(None if want is None else float(got is not None and math.isclose(got, want, rel_tol=1e-9,
+                                                                                     abs_tol=1e-9)))
+    return out
+
+
+def format_reward(pattern: str) -> RewardFn:
+    compiled = re.compile(pattern, re.S)
+
+    def format_match(completions: list, **_: Any) -> list[float | None]:
+        return [float(compiled.fullmatch(text_of(c).strip()) is not None) for c in completions]
+
+    return format_match
+
+
+def length_reward(max_completion_length: int, cache: int) -> RewardFn:
+    """DAPO's eq. 13, as TRL's get_soft_overlong_punishment."""
+    def overlong(completion_ids: list, **_: Any) -> list[float | None]:
+        out: list[float | None] = []
+        for ids in completion_ids:
+            n = len(ids)
+            if n <= max_completion_length - cache:
+                out.append(0.0)
+            elif n <= max_completion_length:
+                out.append((max_completion_length - cache - n) / cache)
+            else:
+                out.append(-1.0)
+        return out
+
+    return overlong
+
+
+BUILTINS = ("exact_match", "partial_match", "numeric", "format", "length")
+NEEDS_ANSWER = ("exact_match", "partial_match", "numeric")
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str  # as configured: a built-in's name or module:function
+    fn: RewardFn
+    needs: tuple[str, ...]  # data fields it cannot do without
+
+
+def builtin(name: str, g: GrpoConfig) -> Reward:
+    if name == "format":
+        if not g.format_pattern:
+            raise ShardlmError("reward 'format' checks completions against grpo.format_pattern, which is not set: "
+                               "set grpo.format_pattern to a regex (e.g. '<answer>.*</answer>').")
+        try:
+            return Reward(name, format_reward(g.format_pattern), ())
+        except re.error as e:
+            raise ShardlmError(f"grpo.format_pattern {g.format_pattern!r} is not a valid regex ({e}): "
+                               "fix the pattern.") from None
+    if name == "length":
+        cache = g.max_completion_length // 4 if g.length_cache is None else g.length_cache
+        if not 0 < cache <= g.max_completion_length:
+            raise ShardlmError(f"grpo.length_cache must be in 1..grpo.max_completion_length "
+                               f"({g.max_completion_length}), got {cache}: set it, or null for a quarter.")
+        return Reward(name, length_reward(g.max_completion_length, cache), ())
+    fn = {"exact_match": exact_match, "partial_match": partial_match, "numeric": numeric}[name]
+    return Reward(name, fn, ("answer",))
+
+
+def _import_module(spec: str, name: str):
+    where = Path(spec).expanduser()
+    if spec.endswith(".py"):
+        if not where.is_file():
+            raise ShardlmError(f"reward '{name}': file '{spec}' does not exist: give an existing .py file or an "
+                               "importable module.")
+        loader = importlib.util.spec_from_file_location(where.stem, where)
+        assert loader is not None and loader.loader is not None
+        module = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+        return module
+    # the shardlm command's sys.path lacks the current folder, where a user's rewards.py most often is
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        return importlib.import_module(spec)
+    finally:
+        sys.path.remove(str(Path.cwd()))
+
+
+def user_reward(name: str) -> Reward:
+    module_name, _, attr = name.rpartition(":")
+    try:
+        module = _import_module(module_name, name)
+    except ShardlmError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported the same way
+        raise ShardlmError(f"reward '{name}': module '{module_name}' does not import ({type(e).__name__}: {e}). "
+                           "Fix it, or put it in the current folder or on PYTHONPATH.") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        functions = [n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")]
+        hint = nearest(attr, functions) or f" Its functions: {', '.join(functions) or 'none'}."
+        raise ShardlmError(f"reward '{name}': module '{module_name}' has no '{attr}'.{hint} Name a function of it.")
+    if not callable(fn):
+        raise ShardlmError(f"reward '{name}' is a {type(fn).__name__}, not a function: {SIGNATURE}.")
+    return Reward(name, fn, ())
+
+
+def check_call(reward: Reward, fields: Sequence[str]) -> None:
+    """The function can be called with the keywords it will get, and the data has every field it requires."""
+    missing = [f for f in reward.needs if f not in fields]
+    try:
+        signature: inspect.Signature | None = inspect.signature(reward.fn)
+    except (TypeError, ValueError):  # a builtin or extension callable without a signature: called as it is
+        signature = None
+    params = {} if signature is None else dict(signature.parameters)
+    required = [n for n, p in params.items() if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in CALL_KEYWORDS]
+    missing += [n for n in required if n not in fields and n not in missing]
+    if missing:
+        raise ShardlmError(f"reward '{reward.name}' needs the field '{missing[0]}', which the prompt data lacks "
+                           f"(its fields: {', '.join(fields) or 'none besides the prompt'}): add it to every record, "
+                           "or use another reward.")
+    if signature is None:
+        return
+    try:
+        signature.bind(**{k: [] for k in (*CALL_KEYWORDS, *fields)})
+    except TypeError as e:
+        raise ShardlmError(f"reward '{reward.name}' cannot be called with prompts, completions, completion_ids and "
+                           f"the data's fields as keywords ({e}; its signature: {signature}). "
+                           f"Define it as {SIGNATURE}.") from None
+
+
+class RewardSet:
+    """The configured rewards and their weights; `score` calls each once per batch and checks what it returns."""
+
+    def __init__(self, rewards: list[Reward], weights: list[float]):
+        self.rewards, self.weights = rewards, weights
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
+              fields: dict[str, list]) -> torch.Tensor:
+        """(completions, rewards) float32, NaN where a function returned None."""
+        out = torch.empty(len(completions), len(self.rewards))
+        for j, reward in enumerate(self.rewards):
+            values = call(reward, prompts, completions, completion_ids, fields)
+            out[:, j] = torch.tensor([math.nan if v is None else float(v) for v in values])
+        return out
+
+    @property
+    def weight_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.weights, dtype=torch.float32)
+
+
+def _shown(prompt: Any) -> str:
+    text = text_of(prompt) if isinstance(prompt, list) else str(prompt)
+    text = text.replace("\n", "\\n")
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def call(reward: Reward, prompts: list, completions: list, completion_ids: list[list[int]],
+         fields: dict[str, list]) -> list[float | None]:
+    n = len(completions)
+    try:
+        values = reward.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
+    except Exception as e:  # noqa: BLE001 - the user's code: find the completion that fails, then say which
+        i, e = _first_failure(reward, prompts, completions, completion_ids, fields, e)
+        where = f" on completion {i} (prompt {_shown(prompts[i])})" if i is not None else ""
+        raise ShardlmError(f"reward '{reward.name}' raised {type(e).__name__}: {e}{where}. Fix the function "
+                           "(return None for a completion it cannot score).") from None
+    try:
+        values = list(values)
+    except TypeError:
+        raise ShardlmError(f"reward '{reward.name}' returned a {type(values).__name__}, not a list: it must return "
+                           f"one float (or None) per completion ({SIGNATURE}).") from None
+    if len(values) != n:
+        raise ShardlmError(f"reward '{reward.name}' returned {len(values)} values for {n} completions: it must "
+                           "return one float (or None) per completion, in order.")
+    for i, v in enumerate(values):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_scalar_tensor(v)):
+            raise ShardlmError(f"reward '{reward.name}' returned {v!r} ({type(v).__name__}) for completion "
+                               f"{i} (prompt {_shown(prompts[i])}): return a float, or None where it does not apply.")
+        if v is not None and not math.isfinite(float(v)):
+            raise ShardlmError(f"reward '{reward.name}' returned {float(v)} for completion {i} (prompt "
+                               f"{_shown(prompts[i])}): "
+                               "rewards must be finite; return None where a completion cannot be scored.")
+    return values
+
+
+def _is_scalar_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.numel() == 1
+
+
+def _first_failure(reward: Reward, prompts: list, completions: list, completion_ids: list, fields: dict,
+                   error: Exception) -> tuple[int | None, Exception]:
+    for i in range(len(completions)):
+        try:
+            reward.fn(prompts=prompts[i:i + 1], completions=completions[i:i + 1],
+                      completion_ids=completion_ids[i:i + 1], **{k: v[i:i + 1] for k, v in fields.items()})
+        except Exception as e:  # noqa: BLE001
+            return i, e
+    return None, error
+
+
+def load_rewards(g: GrpoConfig, fields: Sequence[str]) -> RewardSet:
+    """`grpo.rewards` and `grpo.reward_weights`, each function checked against the data's fields (every field
+    of a prompt record but the prompt)."""
+    if not g.rewards:
+        raise ShardlmError("grpo.rewards is empty: name at least one reward (e.g. grpo.rewards=[exact_match]).")
+    weights = [1.0] * len(g.rewards) if g.reward_weights is None else [float(w) for w in g.reward_weights]
+    if len(weights) != len(g.rewards):
+        raise ShardlmError(f"grpo.reward_weights has {len(weights)} weights for {len(g.rewards)} rewards "
+                           f"({', '.join(g.rewards)}): give one weight per reward, or null for 1 each.")
+    rewards = []
+    for name in g.rewards:
+        if name in BUILTINS:
+            reward = builtin(name, g)
+        elif ":" in name.strip(":") and not name.endswith(":"):
+            reward = user_reward(name)
+        else:
+            raise ShardlmError(f"reward '{name}' is neither a built-in ({', '.join(BUILTINS)}) nor module:function."
+                               f"{nearest(name, BUILTINS)}")
+        check_call(reward, fields)
+        rewards.append(reward)
+    return RewardSet(rewards, weights)
