@@ -94,7 +94,7 @@ def test_dry_run_shows_the_trained_tokens_and_eval_generate_speak_chat(one_proce
     out = tmp_path / "dry"
     proc = shardlm_cli([*chat_args(chat_file, cache_dir, out), "--dry-run"])
     assert "chat (messages, detected from its fields)" in proc.stdout
-    assert "<|im_start|>user\nReverse: " in proc.stdout and "<|im_end|>⟧" in proc.stdout
+    assert "<|im_start|>user\nReverse: " in proc.stdout and "<|im_end|>\n⟧" in proc.stdout
     assert not out.exists()
     result = json.loads(shardlm_cli(["eval", str(one_process), "--exact-match", "4", "--generation", "4"]).stdout)
     assert result["exact_match_n"] == 4 and 0 <= result["exact_match"] <= 1 and result["tokens"] > 0

@@ -61,22 +61,89 @@ def test_masks_of_real_templates_cover_each_answer_and_its_end_of_turn(name):
         + ("<|endoftext|>" if name == "phi3.jinja" else "")
     assert text == want
     assert "Repeat" not in trained_text(tok, ids, mask) and "Be brief" not in trained_text(tok, ids, mask)
+    # answer_end=end_of_turn trains the same but the whitespace the template writes after an end of turn
+    same, stop = tokenize(tok, to_example({"messages": messages}, "messages", "x:1"), "x:1", answer_end="end_of_turn")
+    extra = [i for i, (a, b) in enumerate(zip(mask, stop, strict=True)) if a != b]
+    assert same == ids and not (stop > mask).any() and tok.decode([ids[i] for i in extra]).strip() == ""
+    assert bool(extra) == (f"{eot}\n" in tok.decode(ids))  # ChatML, Gemma, Phi-3: the newline; Llama, Mistral: none
 
 
-GENERATION_CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-                     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-                     "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}"
-                     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+def trl_template(name: str) -> str:
+    """TRL's training copy of a family's template: the stock one with `{% generation %}` around each answer."""
+    import importlib.resources
+
+    return (importlib.resources.files("trl") / "chat_templates" / name).read_text()
 
 
-def test_mask_equals_transformers_assistant_tokens_mask():
-    tok = template_tokenizer("chatml.jinja")
-    tok.chat_template = GENERATION_CHATML
-    messages = [{"role": "system", "content": "Be brief."}, *CONVERSATION]
+# ChatML marked to end its answers at <|im_end|>, before the newline: the markers are followed as they stand
+CHATML_UNTIL_END = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+                    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+                    "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}"
+                    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize(("name", "marked"), [
+    ("qwen2_5.jinja", "qwen2_5_training.jinja"), ("llama3.jinja", "llama3_training.jinja"),
+    ("gemma2.jinja", "gemma_training.jinja"), ("phi3.jinja", "phi3_training.jinja"), ("chatml.jinja", None)])
+def test_mask_equals_transformers_assistant_tokens_mask(name, marked):
+    """A template with generation markers (TRL's training copies; ChatML's blocks end after the newline that
+    follows <|im_end|>) trains exactly transformers' `return_assistant_tokens_mask`; end_of_turn trains a part of
+    it: not the whitespace after an end of turn (nor Qwen2.5's line break after `assistant`)."""
+    tok, info = template_tokenizer(name), SOURCES[name]
+    tok.chat_template = trl_template(marked) if marked else CHATML_UNTIL_END
+    messages = ([{"role": "system", "content": "Be brief."}] if info["supports_system"] else []) + CONVERSATION
     ids, mask = tokenize(tok, to_example({"messages": messages}, "messages", "x:1"), "x:1")
     ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert ids == list(ref["input_ids"])
-    assert mask.tolist() == list(ref["assistant_masks"])
+    assert ids == list(ref["input_ids"]) and mask.tolist() == list(ref["assistant_masks"])
+    _, stop = tokenize(tok, to_example({"messages": messages}, "messages", "x:1"), "x:1", answer_end="end_of_turn")
+    assert (stop <= mask).all() and (stop == mask).all() == (name in ("llama3.jinja", "chatml.jinja"))
+    if name == "qwen2_5.jinja":  # the standard ChatML case: the newline after <|im_end|> is the answer's
+        assert trained_text(tok, ids, mask) == "\nab<|im_end|>\n\n7<|im_end|>\n"
+
+
+def test_trls_sft_trainer_trains_the_same_tokens(tmp_path):
+    """TRL's SFTTrainer itself, with its defaults: messages with `assistant_only_loss` on Qwen2.5's template with
+    TRL's generation markers, and conversational prompt/completion (completion-only loss) on the stock template,
+    give the same ids and targets. The stock template has no markers: TRL swaps in its training copy for the
+    families it knows (else refuses), shardlm finds each turn itself and trains the same tokens but the line
+    break after `<|im_start|>assistant`, which TRL's copy of Qwen2.5 also marks and the generation prompt always
+    gives."""
+    from datasets import Dataset
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    tok = template_tokenizer("qwen2_5.jinja")
+    tok.pad_token = "<|endoftext|>"
+    stock = tok.chat_template
+
+    def trl_rows(records: list[dict], template: str, **args) -> list[tuple[list[int], list[int]]]:
+        tok.chat_template = template
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=8, num_hidden_layers=1,
+                                             num_attention_heads=1, num_key_value_heads=1, intermediate_size=8))
+        trainer = SFTTrainer(model=model, processing_class=tok, train_dataset=Dataset.from_list(records),
+                             args=SFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args))
+        return [(row["input_ids"], [int(x != -100) for x in row["labels"]]) for row in trainer.train_dataset]
+
+    def ours(records: list[dict], variant: str) -> list[tuple[list[int], list[int]]]:
+        return [(ids, mask.tolist()) for ids, mask in
+                (tokenize(tok, to_example(r, variant, "x"), "x") for r in records)]
+
+    chats = [{"messages": CONVERSATION}, {"messages": [{"role": "system", "content": "Be brief."}, *CONVERSATION]}]
+    theirs = trl_rows(chats, trl_template("qwen2_5_training.jinja"), assistant_only_loss=True)  # sets the template
+    # TRL's labels leave the first token out whatever it is (nothing predicts it): compare from the second
+    assert [(i, m[1:]) for i, m in ours(chats, "messages")] == [(i, m[1:]) for i, m in theirs]
+    completions = [{"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]},
+                   {"prompt": CONVERSATION[:3], "completion": CONVERSATION[3:]}]
+    their_completions = trl_rows(completions, stock)  # TRL's defaults: completion-only loss
+    assert [(i, m[1:]) for i, m in ours(completions, "prompt_completion")] == \
+        [(i, m[1:]) for i, m in their_completions]
+    assert trained_text(tok, *ours(completions, "prompt_completion")[0]) == "ab<|im_end|>\n"
+    tok.chat_template = stock
+    (ids, mask), (their_ids, their_mask) = ours(chats, "messages")[0], theirs[0]
+    assert ids == their_ids
+    differ = [k for k, (a, b) in enumerate(zip(mask, their_mask, strict=True)) if a != b]
+    assert len(differ) == 2 and all(their_mask[k] and tok.decode(ids[:k + 1]).endswith("<|im_start|>assistant\n")
+                                    for k in differ)
 
 
 def test_completion_mask_is_trls_rule_and_conversational_prompts_use_the_generation_prompt():
@@ -86,6 +153,8 @@ def test_completion_mask_is_trls_rule_and_conversational_prompts_use_the_generat
     set_chat_template(tok, "chatml")
     record = {"prompt": [{"role": "user", "content": "Hi"}], "completion": [{"role": "assistant", "content": "Yo"}]}
     ids, mask = tokenize(tok, to_example(record, "prompt_completion", "x"), "x")
+    assert trained_text(tok, ids, mask) == "Yo<|im_end|>\n"  # TRL's: all after the prompt's rendering
+    ids, mask = tokenize(tok, to_example(record, "prompt_completion", "x"), "x", answer_end="end_of_turn")
     assert trained_text(tok, ids, mask) == "Yo<|im_end|>"
     ids, mask = tokenize(tok, to_example(record, "prompt_completion", "x"), "x", train_on_prompt=True)
     assert mask.all()
@@ -168,8 +237,16 @@ GOOD = {"messages": CONVERSATION[:2]}
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
      r"bad\.jsonl:2: message 1's 'content' is empty"),
     ({"prompt": "a", "completion": "b"}, r"bad\.jsonl:2: this record is a 'prompt_completion' example, but the first"),
-    ({"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]},
-     r"bad\.jsonl:2: the chat template refuses this conversation"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "1"},
+                   {"role": "assistant", "content": "x"}]},
+     r"bad\.jsonl:2: the chat template refuses this conversation"),  # plain has no tool turns
+    ({"messages": [*CONVERSATION[:2], {"role": "bot", "content": "hi"}, *CONVERSATION[2:]]},
+     r"bad\.jsonl:2: message 2 has role 'bot', which is not a chat role \(system, developer, user, assistant, tool, "
+     r"function, ipython\): its turn would be context, never trained. Rename it \('assistant' if it is the model's"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]},
+     r"bad\.jsonl:2: message 1 has role 'bot', which is not a chat role"),
+    ({"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": "x"}]},
+     r"bad\.jsonl:2: the conversation has no assistant turn to train on \(it has none, only 'system', 'user'\)"),
 ])
 def test_bad_examples_name_the_line_and_leave_no_cache(tmp_path, line, message):
     source = resolve(str(write_jsonl(tmp_path / "bad.jsonl", [GOOD, line])))
@@ -182,6 +259,37 @@ def test_bad_examples_name_the_line_and_leave_no_cache(tmp_path, line, message):
         folder = build_examples(source, tok, DataConfig(format="chat", on_bad_example="skip"), tmp_path / "cache",
                                 log=lambda _: None)
         assert load_examples(folder).meta["skipped"] == 1 and len(load_examples(folder)) == 1
+
+
+def test_bytes_that_are_not_utf8_are_replaced_with_one_warning_as_for_text(tmp_path, capsys):
+    path = tmp_path / "chat.jsonl"
+    line = json.dumps(GOOD).encode()
+    path.write_bytes(line + b"\n" + line.replace(b"ab", b"a\xff\xfeb") + b"\n")  # twice: 4 bytes
+    tok = load_tokenizer("bytes")
+    set_chat_template(tok, "chatml")
+    got = load_examples(build_examples(resolve(str(path)), tok, DataConfig(), tmp_path / "cache", log=lambda _: None))
+    assert len(got) == 2 and "\ufffd" in tok.decode(got.example(1)[0].tolist())
+    warning = f"warning: {path}: 4 bytes are not valid UTF-8 and were replaced by U+FFFD"
+    assert capsys.readouterr().err.count(warning) == 1
+
+
+def test_a_cache_of_conversations_is_keyed_by_how_answers_end(tmp_path):
+    """answer_end=template changes the masks of conversations only: their cache is another one; text examples, and
+    conversations with end_of_turn (what caches held before the setting), keep the key they had."""
+    from shardlm.data.examples import examples_key
+
+    tok = load_tokenizer("bytes")
+    set_chat_template(tok, "chatml")
+    text = {"prompt": "a", "completion": "b"}
+    chat = {"prompt": CONVERSATION[:1], "completion": CONVERSATION[1:2]}
+    sources = {name: (resolve(str(write_jsonl(tmp_path / f"{name}.jsonl", [record]))), variant)
+               for name, record, variant in (("messages", GOOD, "messages"), ("chat", chat, "prompt_completion"),
+                                             ("text", text, "prompt_completion"))}
+    keys = {(name, end): examples_key(source, tok, DataConfig(answer_end=end), variant)
+            for name, (source, variant) in sources.items() for end in ("template", "end_of_turn")}
+    assert keys["messages", "template"] != keys["messages", "end_of_turn"]
+    assert keys["chat", "template"] != keys["chat", "end_of_turn"]
+    assert keys["text", "template"] == keys["text", "end_of_turn"]
 
 
 def test_no_chat_template_and_too_long_examples_are_clear_errors(tmp_path):
@@ -230,6 +338,9 @@ def test_format_choice_and_text_files_are_clear_errors(tmp_path):
     with pytest.raises(ShardlmError, match=r"data.format='chats' is not one of auto, text, completion, chat, "
                                            r"preference. Did you mean 'chat'\?"):
         load_config(None, ["data.format=chats"])
+    with pytest.raises(ShardlmError, match=r"data.answer_end='end-of-turn' is not one of template, end_of_turn. "
+                                           r"Did you mean 'end_of_turn'\?"):
+        load_config(None, ["data.answer_end=end-of-turn"])
     (tmp_path / "notes.txt").write_text("just text\n")
     with pytest.raises(ShardlmError, match="data.format=chat but '.*notes.txt' is plain text"):
         source_format(resolve(str(tmp_path / "notes.txt")), DataConfig(format="chat"))
@@ -238,7 +349,7 @@ def test_format_choice_and_text_files_are_clear_errors(tmp_path):
 
 def test_chatml_on_a_pretrained_vocabulary_without_room_says_use_plain(hf_folder):
     from shardlm.config import load_config
-    from shardlm.models.causal_lm import model_config
+    from shardlm.models.hf_config import model_config
     from shardlm.tokenizer import model_tokenizer
 
     cfg = load_config(None, [f"model.name={hf_folder}", "model.chat_template=chatml"])
@@ -261,11 +372,12 @@ def test_prepare_renders_example_sources(tmp_path, capsys):
     assert "train: " in capsys.readouterr().out and len(list((tmp_path / "cache").glob("ex-*/meta.json"))) == 1
 
 
+@pytest.mark.parametrize("end", ["template", "end_of_turn"])
 @pytest.mark.parametrize("name", sorted(SOURCES))
-def test_a_pair_scores_what_instruction_tuning_trains(name):
-    """A conversation pair's scored tokens are the targets instruction tuning gives the same conversation: each
-    assistant turn of the answer and its end of turn, not a tool or user turn between them, nor the whitespace
-    after the last end of turn that no generation emits (ChatML's newline)."""
+def test_a_pair_scores_what_instruction_tuning_trains(name, end):
+    """A conversation pair's scored tokens are the targets instruction tuning gives the same conversation under
+    the same data.answer_end: each assistant turn of the answer as the template closes it (with template, ChatML's
+    newline after the last <|im_end|> too: TRL's DPO slice), not a tool or user turn between them."""
     from shardlm.data.formats import to_pair
     from shardlm.data.render import pair_ids
 
@@ -273,10 +385,13 @@ def test_a_pair_scores_what_instruction_tuning_trains(name):
     prompt = ([{"role": "system", "content": "Be brief."}] if info["supports_system"] else []) + CONVERSATION[:1]
     for answer in ([{"role": "assistant", "content": "ab"}], CONVERSATION[1:]):  # one turn; turn, user, turn
         (chosen, scored), _ = pair_ids(tok, to_pair({"prompt": prompt, "chosen": answer,
-                                                     "rejected": [{"role": "assistant", "content": "ba"}]}, "x"), "x")
-        ids, mask = tokenize(tok, to_example({"messages": prompt + answer}, "messages", "x"), "x")
+                                                     "rejected": [{"role": "assistant", "content": "ba"}]}, "x"), "x",
+                                       end)
+        ids, mask = tokenize(tok, to_example({"messages": prompt + answer}, "messages", "x"), "x", answer_end=end)
         assert chosen == ids[:len(chosen)] and scored.tolist() == mask[:len(chosen)].tolist()
         assert not mask[len(chosen):].any() and trained_text(tok, chosen, scored) == trained_text(tok, ids, mask)
+        if name == "chatml.jinja":
+            assert trained_text(tok, chosen, scored).endswith("<|im_end|>\n" if end == "template" else "<|im_end|>")
     with pytest.raises(ShardlmError, match="ends with a 'user' message; each side must end with the assistant's"):
         pair_ids(tok, to_pair({"prompt": prompt, "chosen": CONVERSATION[1:3],
                                "rejected": CONVERSATION[1:2]}, "x"), "x")

@@ -7,6 +7,7 @@ import math
 
 from shardlm import ShardlmError
 from shardlm.config.schema import (
+    ANSWER_ENDS,
     ATTENTION_CHOICES,
     CHOICE_HINTS,
     COMPILES,
@@ -56,6 +57,7 @@ def validate(cfg: Config) -> None:
         ("data.format", cfg.data.format, DATA_FORMATS),
         ("data.truncation", cfg.data.truncation, TRUNCATIONS),
         ("data.on_bad_example", cfg.data.on_bad_example, ON_BAD_EXAMPLE),
+        ("data.answer_end", cfg.data.answer_end, ANSWER_ENDS),
         ("train.objective", cfg.train.objective, ("sft", "dpo", "ipo", "simpo", "orpo")),
         ("preference.reference", cfg.preference.reference, ("precomputed", "live")),
     ):

@@ -30,6 +30,7 @@ ATTENTION_CHOICES = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attent
 DATA_FORMATS = ("auto", "text", "completion", "chat", "preference")
 TRUNCATIONS = ("truncate", "drop", "error")
 ON_BAD_EXAMPLE = ("error", "skip")
+ANSWER_ENDS = ("template", "end_of_turn")
 
 
 @dataclass
@@ -74,6 +75,7 @@ class DataConfig:
     data_files: Any = None  # for hf:json / hf:parquet / hf:csv / hf:text: a path, glob, list, or {split: files}
     format: str = "auto"  # auto (from each source's fields) | text | completion | chat | preference (chosen/rejected)
     train_on_prompt: bool = False  # examples: also train on prompts and user turns (default: answers only)
+    answer_end: str = "template"  # chat answers end as the template closes them (TRL's: ChatML's newline) | end_of_turn
     packing: bool = True  # examples: pack whole examples into seq_len rows (attention isolated); false = pad each
     truncation: str = "truncate"  # examples longer than seq_len: truncate (keep the start), drop or error
     on_bad_example: str = "error"  # a malformed example: error (file:line and the fix) or skip (counted)
@@ -126,29 +128,6 @@ class PreferenceConfig:
 
 @dataclass
 class ParallelConfig:
-@dataclass
-class GrpoConfig:
-    group: int = 8  # objective grpo/rloo: completions per prompt (TRL's num_generations); divides train.batch_size
-    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # built-in names or module:function (rl.md)
-    reward_weights: list[float] | None = None  # one weight per reward, summed into the reward; None = 1 each
-    max_completion_length: int = 512  # new tokens per completion at most (a prompt gets data.seq_len minus this)
-    temperature: float = 1.0  # sampling temperature of the completions
-    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability; 1 = off
-    top_k: int = 0  # sample among the k likeliest tokens; 0 = all
-    beta: float = 0.0  # KL to the initial model (grpo: k3 in the loss; rloo: in the reward); 0 = no reference held
-    epsilon: float = 0.2  # clip range below: ratios under 1 - epsilon stop pulling
-    epsilon_high: float | None = None  # clip range above (DAPO: 0.28); null = epsilon
-    delta: float | None = None  # two-sided clipping: a bound on the unclipped ratio (> 1 + epsilon_high); null = off
-    loss_type: str = "dapo"  # dapo (over the step's tokens) | grpo (each completion's token mean) | dr_grpo (TRL's)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per completion)
-    num_iterations: int = 1  # optimizer steps per generated batch (mu); > 1 reuses it with the old log-probabilities
-    scale_rewards: str = "group"  # what divides the advantages: group (its std) | batch (the batch's) | none
-    normalize_advantages: bool = False  # rloo: standardize the leave-one-out advantages over the batch
-    mask_truncated_completions: bool = False  # completions cut at max_completion_length are left out of the loss
-    format_pattern: str | None = None  # reward `format`: a regex the whole trimmed completion must match
-    length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
-
-
     sharding: str = "full"  # full | grad_op | no_shard | hybrid_full | hybrid_grad
     shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
     precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (params/compute; gradients reduce in fp32; fp8 = Hopper+)
@@ -194,7 +173,6 @@ class Config:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     log: LogConfig = field(default_factory=LogConfig)
     out_dir: str = "runs/default"  # metrics, config, checkpoints and exports of the run
 

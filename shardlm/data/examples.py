@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ import numpy as np
 
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
-from shardlm.data.cache import build_once
+from shardlm.data import integrity
+from shardlm.data.cache import build_once, read_meta
 from shardlm.data.formats import BadExample, Example, Pair, detect, to_example, to_pair, variant_of
 from shardlm.data.records import first_record, iter_records
 from shardlm.data.render import pair_ids, tokenize
@@ -29,6 +31,10 @@ from shardlm.data.sources import Source
 from shardlm.tokenizer import fingerprint, template_fingerprint
 
 EXAMPLES_FORMAT = 2  # 2: a conversation pair scores what instruction tuning trains (render.pair_ids)
+# 3: conversations whose answers end as the template closes them (data.answer_end=template: a {% generation %} block,
+# ChatML's newline after <|im_end|>). Other caches keep 2, whose masks did not change: a run started before
+# (and a DPO run's stored reference beside its cache) resumes on its own cache with data.answer_end=end_of_turn.
+TEMPLATE_ENDS_FORMAT = 3
 
 
 @dataclass
@@ -82,9 +88,18 @@ def source_format(source: Source, cfg: DataConfig) -> tuple[str, str, str]:
     return fmt, variant, where
 
 
+def _conversations(source: Source, variant: str) -> bool:
+    """Whether a source's examples are conversations (their masks depend on data.answer_end), from its first."""
+    if variant in ("messages", "sharegpt", "alpaca"):
+        return True
+    first = first_record(source)
+    return first is not None and isinstance(first[1].get("chosen", first[1].get("prompt")), list)
+
+
 def examples_key(source: Source, tok, cfg: DataConfig, variant: str) -> str:
-    ident = [EXAMPLES_FORMAT, source.identity(), fingerprint(tok), template_fingerprint(tok), variant,
-             cfg.train_on_prompt, cfg.on_bad_example, cfg.system_prompt]
+    template_ends = cfg.answer_end == "template" and _conversations(source, variant)
+    ident = [TEMPLATE_ENDS_FORMAT if template_ends else EXAMPLES_FORMAT, source.identity(), fingerprint(tok),
+             template_fingerprint(tok), variant, cfg.train_on_prompt, cfg.on_bad_example, cfg.system_prompt]
     return "ex-" + hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
 
 
@@ -117,7 +132,7 @@ def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_w
     with open(tmp / "tokens.bin", "wb") as ids_out, open(tmp / "labels.bin", "wb") as labels_out:
         for n, where, example in iter_examples(source, fmt, variant, first_where, cfg, skipped):
             try:
-                sequences = _sequences(tok, example, where, cfg.train_on_prompt)
+                sequences = _sequences(tok, example, where, cfg.train_on_prompt, cfg.answer_end)
             except BadExample as e:
                 if cfg.on_bad_example != "skip":
                     raise
@@ -143,11 +158,12 @@ def _write(source: Source, tok, cfg: DataConfig, fmt: str, variant: str, first_w
             **({"unanswered": unanswered} if fmt == "chat" else {})}
 
 
-def _sequences(tok, example: Example | Pair, where: str, train_on_prompt: bool) -> list[tuple[list[int], np.ndarray]]:
+def _sequences(tok, example: Example | Pair, where: str, train_on_prompt: bool,
+               answer_end: str) -> list[tuple[list[int], np.ndarray]]:
     """An example's (ids, target mask); a pair's two: the answers are the targets (`pair_ids`)."""
     if isinstance(example, Pair):
-        return pair_ids(tok, example, where)
-    return [tokenize(tok, example, where, train_on_prompt)]
+        return pair_ids(tok, example, where, answer_end)
+    return [tokenize(tok, example, where, train_on_prompt, answer_end)]
 
 
 def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callable[[str], None] = print) -> Path:
@@ -179,11 +195,46 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
 
 
 def load_examples(folder: Path) -> ExampleSet:
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder)
     n, dtype = meta["num_tokens"], np.dtype(meta["dtype"])
     return ExampleSet(np.memmap(folder / "tokens.bin", dtype=dtype, mode="r", shape=(n,)),
                       np.memmap(folder / "labels.bin", dtype=np.uint8, mode="r", shape=(n,)),
                       np.load(folder / "offsets.npy"), np.load(folder / "records.npy"), {**meta, "folder": str(folder)})
+
+
+def _check_file(reference: Path) -> Path:
+    return reference.with_name(f"{reference.stem}.check.json")
+
+
+def save_reference(path: Path, values: np.ndarray) -> None:
+    """A preference run's stored reference (shardlm.training.preference) beside its example cache, with its size
+    and checksum in `NAME.check.json` (read by `reference_problem`); each written under a temporary name."""
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+    np.save(tmp, values)
+    check = {"scheme": integrity.SCHEME, "bytes": tmp.stat().st_size, "crc32": integrity.checksum(tmp)}
+    tmp.rename(path)
+    side = _check_file(path)
+    tmp_side = side.with_name(f"{side.name}.tmp{os.getpid()}")
+    tmp_side.write_text(json.dumps(check))
+    tmp_side.rename(side)
+
+
+def reference_problem(path: Path) -> str | None:
+    """What is wrong with a stored reference, in words, or None: its size and checksum against its record (one
+    written before records, or whose record is unreadable, has none) and whether it reads as (pairs, 2) values."""
+    try:
+        check = json.loads(_check_file(path).read_text())
+        files = {path.name: {"bytes": int(check["bytes"]), "crc32": int(check["crc32"])}}
+        why = integrity.problem(path.parent, {"scheme": check["scheme"], "files": files}, {})
+    except (OSError, ValueError, KeyError, TypeError):
+        why = None
+    if why is not None:
+        return why
+    try:
+        values = np.load(path)
+    except (ValueError, OSError, EOFError):
+        return f"{path} is not a whole .npy file"
+    return None if values.ndim == 2 and values.shape[1] == 2 else f"{path} does not hold (pairs, 2) values"
 
 
 def examples_in_memory(source: Source, tok, cfg: DataConfig) -> ExampleSet:

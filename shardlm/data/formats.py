@@ -22,6 +22,9 @@ from shardlm import ShardlmError
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool",
                   "function": "tool", "observation": "tool", "function_call": "assistant"}
+# The roles a conversation may hold (OpenAI's, with Llama 3.1's `ipython` for tool output): any other is most
+# likely a misnamed answer (`bot`), which a permissive template would render as context and never train
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 # (format, variant) by the fields that identify it, in the order they are tried
 VARIANTS = ((("chosen", "rejected"), "preference", "pairs"),
             (("messages",), "chat", "messages"), (("conversations",), "chat", "sharegpt"),
@@ -111,6 +114,10 @@ def _message(m: object, where: str, i: int, keys: tuple[str, str] = ("role", "co
         role = roles[role]
     if not isinstance(role, str):
         raise BadExample(f"{where}: message {i}'s '{role_key}' is not a string. Give a role such as 'user'.")
+    if role not in ROLES:
+        raise BadExample(f"{where}: message {i} has role {role!r}, which is not a chat role ({', '.join(ROLES)}): "
+                         "its turn would be context, never trained. Rename it ('assistant' if it is the model's "
+                         "answer).")
     content = _text(m[content_key], f"message {i}'s '{content_key}'", where, allow_empty=role != "assistant")
     return {"role": role, "content": content}
 
@@ -132,8 +139,9 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
 def _check_trained(messages: list[dict], first: int, where: str) -> None:
     if not any(m["role"] == "assistant" for m in messages[first:]):
         part = "its completion has" if first else "it has"
-        raise BadExample(f"{where}: the conversation has no assistant turn to train on ({part} none). Add the "
-                         "assistant's answer, or remove the example.")
+        roles = ", ".join(dict.fromkeys(repr(m["role"]) for m in messages[first:]))
+        raise BadExample(f"{where}: the conversation has no assistant turn to train on ({part} none, only {roles}). "
+                         "Add the assistant's answer, or remove the example.")
     if messages[0]["role"] == "assistant" and first == 0:
         raise BadExample(f"{where}: the conversation starts with an assistant turn; it needs the user's (or a "
                          "system) message first.")

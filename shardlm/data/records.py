@@ -16,13 +16,14 @@ from pathlib import Path
 from shardlm import ShardlmError
 from shardlm.data import readers, tables
 from shardlm.data.readers import ReplaceCounter, inner_suffix
-from shardlm.data.sources import JSON_TYPES, Source, _json_error, _load_hf
+from shardlm.data.sources import JSON_TYPES, Source, _json_error, _load_hf, _warn_replaced
 
 Record = tuple[str, dict]
 
 
 def _jsonl(path: Path) -> Iterator[Record]:
-    for lineno, line in enumerate(readers.iter_lines(path, ReplaceCounter()), 1):
+    counter = ReplaceCounter()
+    for lineno, line in enumerate(readers.iter_lines(path, counter), 1):
         if not line.strip():
             continue
         try:
@@ -34,17 +35,20 @@ def _jsonl(path: Path) -> Iterator[Record]:
                                'object: each line must be one example such as {"prompt": "...", "completion": "..."}'
                                ' or {"messages": [...]}.')
         yield f"{path}:{lineno}", record
+    _warn_replaced(path, counter.bad)  # read whole: one warning per file, as for text
 
 
 def _csv(path: Path) -> Iterator[Record]:
     csv.field_size_limit(1 << 30)
-    reader = csv.DictReader(readers.iter_lines(path, ReplaceCounter()))
+    counter = ReplaceCounter()
+    reader = csv.DictReader(readers.iter_lines(path, counter))
     try:
         for row in reader:
             yield f"{path}:{reader.line_num}", dict(row)
     except csv.Error as e:
         raise ShardlmError(f"{path}:{reader.line_num}: malformed CSV ({e}). Fix that line, or convert the "
                            "file to .jsonl.") from None
+    _warn_replaced(path, counter.bad)
 
 
 def _parquet(path: Path) -> Iterator[Record]:
