@@ -157,7 +157,8 @@ def shardlm_eval(s: dict, folder: Path, work: Path) -> dict:
 
     trainer = shardlm_trainer(s, folder, work, steps=1)
     began = time.perf_counter()
-    trainer.preference.reference = prepare_reference(trainer)  # what the first evaluate / step would do
+    # what the first evaluate / step would do
+    trainer.preference.reference = prepare_reference(trainer.reference_source())
     reference_s = time.perf_counter() - began
     metrics = trainer.evaluate()
     key = reference_key(trainer.run)

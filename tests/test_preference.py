@@ -160,7 +160,7 @@ def test_the_stored_reference_is_the_models_own_log_probabilities(pairs_file, ca
     args = pair_args(pairs_file, cache_dir, tmp_path, **{"data.seq_len": 128, "model.n_positions": 128})[1:]
     trainer = Trainer.from_config(load_config(None, args))
     assert trainer.run.train.dropped == trainer.run.train.truncated == 0
-    ref = prepare_reference(trainer)["train"].double()
+    ref = prepare_reference(trainer.reference_source())["train"].double()
     hf, examples = trainer.model.hf.eval(), trainer.run.train.examples
     for pair in (0, 5, 17):
         for side in (0, 1):
@@ -259,7 +259,7 @@ def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path
     assert np.count_nonzero(scores[0]) > 20
     assert np.allclose(scores[0], scores[1], rtol=1e-5, atol=1e-5)
 
-    t.preference.prepare(t)
+    t.preference.prepare(t.reference_source())
     assert t.preference.frozen is None  # no copy: the policy itself, adapters off
     with torch.no_grad():
         for name, p in t.model.named_parameters():
@@ -308,7 +308,7 @@ def test_a_live_reference_trains_what_the_precomputed_one_does(pairs_file, cache
     resumed = Preference(trainer.cfg, trainer.device)
     resumed.resumed_key = "another base or seed"  # as a resume onto other initial weights reads it
     with pytest.raises(ShardlmError, match="preference.reference=live rebuilds the model this run started from"):
-        resumed.prepare(trainer)
+        resumed.prepare(trainer.reference_source())
 
 
 def load_config_of(args):

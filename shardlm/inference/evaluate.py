@@ -1,11 +1,13 @@
 """`shardlm eval PATH [data.val=...] [--stride S]`: loss, perplexity and accuracy of a saved model.
 
-Block mode scores the same packed blocks training validates on. `--stride` is the sliding-window protocol
-used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and only
-the tokens not scored by an earlier window count, each with up to a full context before it.
+Everything is scored by training's own evaluation (shardlm.training.validate: the Validator, through `CausalLM`),
+so a family's logit transform (Gemma 2's soft-capping, Cohere's and Granite's scaling) counts as in the run's
+validation. Block mode scores the same packed blocks training validates on. `--stride` is the sliding-window
+protocol used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and
+only the tokens not scored by an earlier window count, each with up to a full context before it.
 
-Preference pairs are scored as the run's validation scores them (`evaluate_pairs`: its Trainer's `evaluate`, against
-the run's reference): loss, rewards/* and logps/*.
+Preference pairs are scored as the run's validation scores them (`evaluate_pairs`: the run's objective and
+settings, against the run's reference): loss, rewards/* and logps/*.
 
 `--generation N` adds generation quality (shardlm.inference.genquality) on N held-out prompts: in the JSON line under
 "generation" and, for a run, as a `"split": "gen"` record in its metrics.jsonl at the checkpoint's step.
@@ -23,16 +25,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from shardlm import ShardlmError
-from shardlm.checkpoint.layout import metrics_file, read_manifest, run_dir_of
+from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of
 from shardlm.config import Config, LoraConfig, build_config, parse_overrides, to_flat_dict
-from shardlm.data import Blocks, ExampleRows, TokenBlocks
+from shardlm.data import Batch, Blocks, ExampleRows, TokenBlocks
 from shardlm.data.examples import ExampleSet
 from shardlm.data.mixture import MixtureBlocks
+from shardlm.distributed.process_group import Dist, LaunchInfo
 from shardlm.inference.genquality import (
     FEW_FOR_MAUVE,
     MODULES,
@@ -42,11 +46,13 @@ from shardlm.inference.genquality import (
     require,
 )
 from shardlm.inference.load import inference_config, load_for_inference
+from shardlm.models import lora
 from shardlm.models.causal_lm import auto_loss_chunk, context_length, model_config
-from shardlm.models.loss import IGNORE, linear_cross_entropy
+from shardlm.models.loss import IGNORE
 from shardlm.models.preference import REFERENCE_FREE
-from shardlm.observe.metrics import describe_val, eval_summary, held_out_words
+from shardlm.observe.metrics import describe_val
 from shardlm.observe.progress import fmt_time
+from shardlm.training.validate import TokenScores, Validator, scoring_model
 
 
 class EvalProgress:
@@ -91,54 +97,58 @@ class EvalProgress:
             print(self.line(time.perf_counter()), file=sys.stderr, flush=True)
 
 
-@torch.no_grad()
-def score(model, tokens: torch.Tensor, targets: torch.Tensor, chunk: int,
-          positions: torch.Tensor | None = None) -> tuple[float, int, int]:
-    kwargs = {} if positions is None else {"position_ids": positions}  # packed examples
-    hidden = model.base_model(input_ids=tokens, use_cache=False, **kwargs).last_hidden_state
-    head, vocab = model.get_output_embeddings(), getattr(model.config, "tokenizer_size", None)
-    bias = getattr(head, "bias", None)  # model.vocab_multiple's padding rows are left out, as the export trims them
-    loss, correct = linear_cross_entropy(hidden.flatten(0, 1), head.weight[:vocab], targets.flatten(), chunk,
-                                         None if bias is None else bias[:vocab])
-    return float(loss.item()), int(correct.item()), int((targets != IGNORE).sum())
-
-
 def evaluate_blocks(model, blocks: Blocks, batch: int, max_batches: int, chunk: int) -> dict:
-    """Text blocks or example rows (their target tokens only), as training validates them."""
-    device = next(model.parameters()).device
+    """Text blocks or example rows (their target tokens only), scored as training validates them."""
+    lm = scoring_model(model, chunk)
     n = len(blocks) if max_batches == 0 else min(len(blocks), max_batches * batch)
-    total, progress = np.zeros(3), EvalProgress(blocks.targets(np.arange(n)), -(-n // batch))
-    for start in range(0, n, batch):
-        rows = blocks.batch(np.arange(start, min(n, start + batch))).to(device)
-        total += score(model, rows.inputs, rows.targets, chunk, rows.positions)
-        progress.update(int(rows.num_targets()))
+    progress = EvalProgress(blocks.targets(np.arange(n)), -(-n // batch))
+    validator = Validator(_one_process(lm), batch, max_batches, on_batch=progress.update)
+    result = validator.validate(lm, blocks, TokenScores())
     progress.close()
-    return _summary(total, blocks.target_tokens)
+    return result | {"held_out_tokens": blocks.target_tokens}
+
+
+class Windows:
+    """`--stride`'s sliding windows as rows the Validator reads, one window a batch: windows of `context` tokens
+    advance by `stride`, and each scores only the targets no earlier window scored."""
+
+    def __init__(self, tokens: np.ndarray, context: int, stride: int):
+        self.stream = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+        last = len(self.stream) - 1
+        self.spans: list[tuple[int, int, int]] = []  # (begin, end, fresh targets)
+        prev_end = 0
+        for begin in range(0, last, stride):
+            end = min(begin + context, last)
+            self.spans.append((begin, end, end - max(prev_end, begin)))
+            prev_end = end
+            if end == last:
+                break
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def batch(self, indices: np.ndarray) -> Batch:
+        (begin, end, fresh), = (self.spans[int(i)] for i in indices)
+        window = self.stream[begin:end + 1]
+        targets = window[1:].clone()
+        targets[: len(targets) - fresh] = IGNORE  # scored by an earlier window
+        return Batch(window[None, :-1], targets[None])
+
+    def targets(self, indices: np.ndarray) -> int:
+        return sum(self.spans[int(i)][2] for i in indices)
 
 
 def evaluate_stride(model, tokens: np.ndarray, context: int, stride: int, chunk: int) -> dict:
-    device = next(model.parameters()).device
-    stream = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    windows = -(-max(len(stream) - 1 - context, 0) // stride) + 1
-    total, prev_end, progress = np.zeros(3), 0, EvalProgress(len(stream) - 1, windows)
-    for begin in range(0, len(stream) - 1, stride):
-        end = min(begin + context, len(stream) - 1)
-        window = stream[begin:end + 1]
-        targets = window[1:].clone()
-        fresh = end - max(prev_end, begin)  # targets not scored by an earlier window
-        targets[: len(targets) - fresh] = IGNORE
-        total += score(model, window[None, :-1].to(device), targets[None].to(device), chunk)
-        progress.update(fresh)
-        prev_end = end
-        if end == len(stream) - 1:
-            break
+    lm, windows = scoring_model(model, chunk), Windows(tokens, context, stride)
+    progress = EvalProgress(max(len(tokens) - 1, 0), len(windows))
+    result = Validator(_one_process(lm), 1, on_batch=progress.update).validate(lm, windows, TokenScores())
     progress.close()
-    return _summary(total, len(stream) - 1)
+    return result | {"held_out_tokens": max(len(tokens) - 1, 0)}
 
 
-def _summary(total: np.ndarray, held_out: int) -> dict:
-    """`held_out_tokens` next to `tokens` (those scored), as in training's records: fewer = a subset."""
-    return eval_summary(*total.tolist()) | {"held_out_tokens": held_out}
+def _one_process(model: torch.nn.Module) -> Dist:
+    """`shardlm eval` runs in one process, on the device its model is on."""
+    return Dist(LaunchInfo("single"), next(model.parameters()).device)
 
 
 @dataclass
@@ -192,16 +202,13 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
                                "their answers with --exact-match N (or --generation N).")
         tokens = np.concatenate(text) if text else np.zeros(0, dtype=np.int64)
     if pairs:
-        print(describe_val(result, result["held_out_tokens"], cfg.train.eval_batches), file=sys.stderr)
-        print(json.dumps(result))
-        return result
+        return _report(result, cfg, ckpt)
     seq_len = min(cfg.data.seq_len, context)
     examples = len(text) < len(tails)
     if gen.n and not examples:
         held_out_prompts(tokens, seq_len, gen.n, seq_len // 2)  # enough held-out blocks? Before the long part
     result = _evaluate(model, tokens, tails, cfg, context, stride or 0, device)
-    print(f"loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  accuracy {result['accuracy']:.4f}  "
-          + held_out_words(result["tokens"], result["held_out_tokens"], cfg.train.eval_batches), file=sys.stderr)
+    _report(result, cfg, ckpt, last=False)
     if gen.n:
         result["generation"] = _answer_quality(model, tokenizer, cfg, gen) if examples else \
             evaluate_generation(model, tokenizer, tokens, seq_len, gen, device)
@@ -213,17 +220,36 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
     return result
 
 
+def _report(result: dict, cfg: Config, ckpt: Path | None, last: bool = True) -> dict:
+    """The validation line of training (observe.metrics.describe_val) on stderr, with what was scored where that
+    is not what the run validated; `last`: the JSON line on stdout too."""
+    if (scored := scored_model(ckpt)) is not None:
+        result["scored"] = scored
+        print(f"note: {scored}", file=sys.stderr)
+    print(describe_val(result, result["held_out_tokens"], cfg.train.eval_batches), file=sys.stderr)
+    if last:
+        print(json.dumps(result))
+    return result
+
+
+def scored_model(ckpt: Path | None) -> str | None:
+    """What eval scores when it is not the model the run validated: a QLoRA run validated its adapters on the
+    4-bit base, and eval (like export) merges them into the full-precision base, so the losses differ a little."""
+    if ckpt is None or not lora.quantized(read_config(ckpt).lora):
+        return None
+    return ("this QLoRA run validated on its 4-bit (nf4) base; eval scores its adapters merged into the "
+            "full-precision base, the model `shardlm export` writes, so the loss differs a little from the run's")
+
+
 def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: ExampleRows, device: torch.device,
                    path: str) -> dict:
-    """Preference pairs scored as the run's validation scores them: its Trainer's `evaluate`, on the run's
-    objective and preference settings, against the run's reference (dpo, ipo). That is the model the run started
-    from (its model.name, or a scratch model's seed): the initial model is built first, its log-probabilities of
-    the pairs read from beside the example cache (or scored now and stored there), and then the trained weights
-    are loaded into it. An exported folder has no run: only the reference-free objectives (simpo, orpo), named
-    with train.objective."""
-    from shardlm.training.build import Run, build_model, build_optimizer, init_dist
-    from shardlm.training.preference import prepare_reference
-    from shardlm.training.trainer import Trainer
+    """Preference pairs scored as the run's validation scores them: its objective and preference settings, against
+    the run's reference (dpo, ipo). That is the model the run started from (its model.name, or a scratch model's
+    seed): built first, its log-probabilities of the pairs read from beside the example cache (or scored now and
+    stored there; a live reference's run stored nothing: scored now, in memory). An exported folder has no run:
+    only the reference-free objectives (simpo, orpo), named with train.objective."""
+    from shardlm.training.build import init_dist
+    from shardlm.training.preference import PairScores, Preference
 
     objective = cfg.train.objective
     if objective == "sft":
@@ -240,20 +266,31 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
     model_cfg = saved.model if saved is not None else dataclasses.replace(Config().model, name=path)
     run_cfg = dataclasses.replace(cfg, model=model_cfg, lora=LoraConfig(), parallel=parallel)
     dist, plan = init_dist(run_cfg)
+    # without FSDP's mixed-precision policy, the run's compute dtype is autocast's (as the Trainer does)
+    autocast: Any = contextlib.nullcontext if plan.dtype == torch.float32 else \
+        (lambda: torch.autocast(device.type, dtype=plan.dtype))
+    validator = Validator(dist, cfg.train.batch_size, cfg.train.eval_batches, autocast)
+    preference = Preference(run_cfg, device)
+    if preference.needs_reference:
+        preference.reference = _reference(run_cfg, tokenizer, plan, dist, rows, validator)
+    chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, rows.seq_len, model.config.vocab_size,
+                            device)
+    result = validator.validate(scoring_model(model, chunk), rows, PairScores(preference))
+    return result | {"held_out_tokens": rows.target_tokens}
+
+
+def _reference(run_cfg: Config, tokenizer, plan, dist: Dist, rows: ExampleRows, validator: Validator) -> dict:
+    """The reference's log-probabilities of the pairs: the run's initial model, built as the run built it, scores
+    them (or its stored values are read)."""
+    from shardlm.training.build import build_model
+    from shardlm.training.preference import ReferenceSource, prepare_reference
+
     hf_config = model_config(run_cfg, tokenizer)
     torch.manual_seed(run_cfg.train.seed)
     initial = build_model(run_cfg, hf_config, plan, dist)
-    optimizer, scheduler = build_optimizer(initial, run_cfg, 1)
-    # the pairs stand in for the training data too: the reference scores them alone, and nothing trains
-    run = Run(run_cfg, dist, plan, tokenizer, hf_config, initial, optimizer, scheduler, rows, rows, 0,
-              Path(run_cfg.out_dir))
-    trainer = Trainer(run)
-    assert trainer.preference is not None
-    if trainer.preference.needs_reference:
-        # a live reference's run stored nothing: the initial model scores the pairs now, in memory
-        trainer.preference.reference = prepare_reference(trainer, store=cfg.preference.reference != "live")
-    initial.hf.load_state_dict(model.state_dict())
-    return trainer.evaluate() | {"held_out_tokens": rows.target_tokens}
+    source = ReferenceSource(run_cfg, hf_config, plan, dist, initial, {"val": rows}, 0, validator.batch,
+                             validator.autocast)
+    return prepare_reference(source, store=run_cfg.preference.reference != "live")
 
 
 def evaluate_generation(model, tokenizer, tokens: np.ndarray, seq_len: int, gen: GenOptions,
@@ -350,7 +387,6 @@ def _answer_quality(model, tokenizer, cfg, gen: GenOptions) -> dict:
 
 def _validation_tails(cfg, tokenizer, device: torch.device, exported: bool) -> list:
     from shardlm.data import load_split
-    from shardlm.distributed.process_group import Dist, LaunchInfo
 
     spec = cfg.data.val or (None if exported else cfg.data.train)
     if spec is None:

@@ -26,9 +26,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +42,12 @@ from shardlm.checkpoint.provenance import arch_of, base_identity
 from shardlm.data import Batch, ExampleRows, MixtureBlocks, eval_shares
 from shardlm.models import lora
 from shardlm.models.preference import REFERENCE_FREE, pair_losses
+
+if TYPE_CHECKING:
+    from shardlm.config import Config
+    from shardlm.distributed.parallelize import Plan
+    from shardlm.distributed.process_group import Dist
+    from shardlm.training.validate import Share
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected")
 
@@ -50,6 +60,24 @@ def pair_rows(blocks, what: str) -> ExampleRows:
         else "text"
     raise ShardlmError(f"train.objective=dpo/ipo/simpo/orpo trains on preference pairs ({{'prompt', 'chosen', "
                        f"'rejected'}} records); the {what} data is {kind}. Give pairs, or train.objective=sft.")
+
+
+@dataclass
+class ReferenceSource:
+    """What the reference is made of, and nothing else of the run: the initial model's settings (`cfg`,
+    `hf_config`, `plan` for a live frozen copy), the model that scores it (the policy, which before the first step is
+    the initial model), the pairs to score by split, how to batch them, and the step the run stands at (past 0 the
+    stored values must exist: a trained policy is never scored as the reference)."""
+
+    cfg: Config
+    hf_config: Any
+    plan: Plan
+    dist: Dist
+    model: torch.nn.Module
+    splits: dict[str, ExampleRows]  # "train", "val"
+    step: int = 0
+    batch: int = 1
+    autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
 
 class Preference:
@@ -66,25 +94,25 @@ class Preference:
         self.resumed_key: str | None = None  # ... as the resumed checkpoint recorded it
         self.ready = not self.needs_reference
 
-    def prepare(self, trainer) -> None:
+    def prepare(self, src: ReferenceSource) -> None:
         """Once, before the first step or validation: the precomputed values, or the live reference."""
         if self.ready or self.reference:  # (shardlm eval sets the values itself)
             self.ready = True
             return
         if not self.live:
-            self.reference = prepare_reference(trainer)
+            self.reference = prepare_reference(src)
         else:
-            run = trainer.run
-            self.key = initial_key(run)
+            cfg = src.cfg
+            self.key = initial_key(src)
             if self.resumed_key is not None and self.resumed_key != self.key:
                 raise ShardlmError("preference.reference=live rebuilds the model this run started from, but "
-                                   f"model.name={run.cfg.model.name} with train.seed={run.cfg.train.seed} is not it "
+                                   f"model.name={cfg.model.name} with train.seed={cfg.train.seed} is not it "
                                    "(the base's files or the seed changed since). Resume with the original base "
                                    "and seed, or start over with checkpoint.resume=none.")
-            if lora.enabled(run.cfg.lora):
-                trainer.dist.print("reference: live, the policy with its LoRA adapters off (no second copy)")
+            if lora.enabled(cfg.lora):
+                src.dist.print("reference: live, the policy with its LoRA adapters off (no second copy)")
             else:
-                self.frozen = frozen_reference(run, self.build_model)
+                self.frozen = frozen_reference(src, self.build_model)
         self.ready = True
 
     def state(self) -> dict:
@@ -128,6 +156,31 @@ class Preference:
         alpha = 1.0 if self.objective == "orpo" else self.p.rpo_alpha  # ORPO's own term; DPO + NLL is TRL's RPO
         nll = -alpha * (chosen * w).sum() if alpha else torch.zeros((), device=chosen.device)
         return (out.losses * w).sum(), nll, stats, w.sum()
+
+
+class PairScores:
+    """Validation of a preference objective (shardlm.training.validate's Scorer): the pair loss (with ORPO's or
+    RPO's NLL term, per chosen target) and the rewards and log-probabilities per pair; padding rows weigh nothing."""
+
+    fields = ("pair_loss", "nll", "pairs", *STATS, "tokens", "chosen_tokens")
+
+    def __init__(self, preference: Preference, split: str = "val"):
+        self.preference, self.split = preference, split
+
+    def sums(self, model, batch: Batch, share: Share) -> Mapping[str, torch.Tensor | float]:
+        rows, real = share.rows, share.indices[share.valid]
+        weights = np.repeat(share.valid, [len(rows.rows[r]) for r in share.indices]).astype(np.float32)
+        pair_sum, nll, stats, n = self.preference.loss(model, batch, self.split,
+                                                       torch.from_numpy(weights).to(batch.inputs.device))
+        return {"pair_loss": pair_sum, "nll": nll, "pairs": n, **dict(zip(STATS, stats, strict=True)),
+                "tokens": rows.targets(real), "chosen_tokens": chosen_targets(rows, real)}
+
+    def result(self, totals: dict[str, float]) -> dict[str, Any]:
+        pairs, chosen = max(totals["pairs"], 1.0), max(totals["chosen_tokens"], 1.0)
+        out = {k: totals[k] / pairs for k in STATS}
+        chosen_ppl = math.exp(min(-totals["logps/chosen"] / chosen, 50.0))  # the chosen answers', per token
+        return {"loss": totals["pair_loss"] / pairs + totals["nll"] / chosen, "ppl": chosen_ppl,
+                "accuracy": out["rewards/accuracy"], "pairs": int(pairs), "tokens": int(totals["tokens"]), **out}
 
 
 def frozen_reference(run, build_model) -> torch.nn.Module:
@@ -217,16 +270,15 @@ def score_all(model, rows: ExampleRows, dist, batch: int, autocast) -> np.ndarra
     return out.cpu().numpy()
 
 
-def prepare_reference(trainer, store: bool = True) -> dict[str, torch.Tensor]:
+def prepare_reference(source: ReferenceSource, store: bool = True) -> dict[str, torch.Tensor]:
     """The reference's log-probabilities of the training and validation pairs: read from beside the cache, or
     (before the first step) computed with the initial model and stored there (`store=False`: only computed).
 
     One file per example set: validation held out as the tail of the training pairs shares the training pairs'
     file, which then holds the scores of both splits' pairs. A pair never scored is NaN there; a file whose
     split is missing (or, as written before the tail was scored, all zero) is completed before the first step."""
-    run, dist = trainer.run, trainer.dist
-    key = reference_key(run)
-    splits = {"train": pair_rows(run.train, "training"), "val": pair_rows(run.val, "validation")}
+    dist, splits = source.dist, source.splits
+    key = reference_key(source)
     arrays: dict[str, torch.Tensor] = {}
     for split, rows in splits.items():
         first = next(s for s, r in splits.items() if r.examples is rows.examples)
@@ -235,14 +287,15 @@ def prepare_reference(trainer, store: bool = True) -> dict[str, torch.Tensor]:
             continue
         sharing = [rows, *(r for s, r in splits.items()
                            if s != split and r.examples is rows.examples and r is not rows)]
-        values = _reference_values(trainer, key, sharing, store)
+        values = _reference_values(source, key, sharing, store)
         arrays[split] = torch.from_numpy(values).float().to(dist.device)
     return arrays
 
 
-def _reference_values(trainer, key: str, splits: list[ExampleRows], store: bool = True) -> np.ndarray:
+def _reference_values(source: ReferenceSource, key: str, splits: list[ExampleRows],
+                      store: bool = True) -> np.ndarray:
     """(pairs of the example set, 2): the file's values, with the splits' pairs it lacks scored first."""
-    run, dist, examples = trainer.run, trainer.dist, splits[0].examples
+    dist, examples = source.dist, splits[0].examples
     folder = examples.meta.get("folder")
     path = Path(folder) / f"reference-{key}.npy" if folder and store else None
     found = path is not None and path.is_file()
@@ -253,7 +306,7 @@ def _reference_values(trainer, key: str, splits: list[ExampleRows], store: bool 
     missing = [rows for rows in splits if np.isnan(values[rows.ids]).any()]
     if not missing:
         return values
-    if trainer.step > 0:
+    if source.step > 0:
         name = path.name if path else "in memory"
         why = ("lack some of its pairs (written by an earlier shardlm, which did not score a validation tail held "
                "out of the training pairs)" if found else "are missing: the base model changed since the run "
@@ -264,7 +317,7 @@ def _reference_values(trainer, key: str, splits: list[ExampleRows], store: bool 
     dist.print(f"reference: scoring the {n:,} pairs of {examples.meta['source']} with the initial model (once; "
                "stored beside the example cache)")
     for rows in missing:
-        values[rows.ids] = score_all(run.model, rows, dist, trainer.batch, trainer.autocast)[rows.ids]
+        values[rows.ids] = score_all(source.model, rows, dist, source.batch, source.autocast)[rows.ids]
     if path is not None and dist.is_main:
         tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
         np.save(tmp, values)

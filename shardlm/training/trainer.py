@@ -25,7 +25,7 @@ from shardlm.checkpoint.checkpointer import Checkpointer
 from shardlm.checkpoint.layout import checkpoints_dir
 from shardlm.checkpoint.state import RngState, model_parts
 from shardlm.config import Config
-from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, eval_shares, micro_batch_position, train_sampler
+from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.distributed import xla
 from shardlm.distributed.parallelize import clip_grad_norm, grad_norm, set_gradient_sync
@@ -33,12 +33,19 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.fp8 import after_optimizer_step
 from shardlm.observe.hardware import peak_flops
-from shardlm.observe.metrics import eval_summary
 from shardlm.training import reporting
 from shardlm.training.build import Run, build, build_model
-from shardlm.training.preference import STATS, Preference, chosen_targets, pair_rows
+from shardlm.training.preference import (
+    STATS,
+    PairScores,
+    Preference,
+    ReferenceSource,
+    chosen_targets,
+    pair_rows,
+)
 from shardlm.training.schedule import ScheduleState
 from shardlm.training.update import LateRead, fused_clip_step, supports_sync_free
+from shardlm.training.validate import TokenScores, Validator
 
 
 class Trainer:
@@ -68,6 +75,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
         self.preference = Preference(self.cfg, self.device, build_model) if t.objective != "sft" else None
+        self.validator = Validator(self.dist, self.batch, t.eval_batches, self.autocast, self._batch)
         # The step's gradient norm is read on the host one step late (training.update); CPU offload reads it
         # on the host anyway, and fp16's GradScaler owns grad_scale / found_inf.
         self.sync_free = (t.sync_free_step and self.scaler is None and not self.cfg.parallel.cpu_offload
@@ -283,7 +291,7 @@ class Trainer:
         assert self.preference is not None
         rows = pair_rows(self.run.train, "training")
         if not self.preference.ready:
-            self.preference.prepare(self)
+            self.preference.prepare(self.reference_source())
             self.model.train()
         step_rows = self.sampler.indices(self.position, self.global_batch)
         pairs, chosen = max(1, rows.units(step_rows)), max(1, chosen_targets(rows, step_rows))
@@ -313,54 +321,22 @@ class Trainer:
                 "train.max_bad_steps. The last good checkpoint is kept.")
 
     # ---- evaluation ----------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        if self.preference is not None:
-            return self._evaluate_pairs()
-        self.model.eval()
-        val, shares = self.run.val, eval_shares(len(self.run.val), self.dist.rank, self.dist.world_size,
-                                                 self.batch, self.cfg.train.eval_batches)
-        sums = torch.zeros(3, device=self.device, dtype=torch.float64)  # loss, correct, tokens
-        for indices in shares:
-            valid = torch.from_numpy(indices >= 0)
-            batch = self._batch(val, np.where(indices >= 0, indices, 0))
-            targets = batch.targets.masked_fill(~valid.to(self.device)[:, None], -100)  # static shapes (XLA)
-            with self.autocast():
-                loss_sum, correct = self.model(batch.inputs, targets, batch.positions)
-            sums += torch.stack([loss_sum.double(), correct.double(), (targets != -100).sum().double()])
-            if self.xla:  # one graph per batch, not one growing over the whole evaluation
-                xla.sync()
-        self.dist.all_reduce_sum(sums)
-        return eval_summary(*sums.tolist())
-
-    @torch.no_grad()
-    def _evaluate_pairs(self) -> dict[str, Any]:
-        """The preference loss and statistics over the validation pairs (padding rows weigh nothing)."""
-        assert self.preference is not None
+        """The validation split scored by the run's objective (shardlm.training.validate, as `shardlm eval` does):
+        next-token loss, or the preference loss and rewards."""
+        if self.preference is None:
+            return self.validator.validate(self.model, self.run.val, TokenScores())
         rows = pair_rows(self.run.val, "validation")
-        self.preference.prepare(self)
-        self.model.eval()
-        sums = torch.zeros(3 + len(STATS), device=self.device, dtype=torch.float64)  # pair loss, nll, pairs, stats
-        chosen = scored = 0
-        for indices in eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch,
-                                   self.cfg.train.eval_batches):
-            valid = indices >= 0
-            real = np.where(valid, indices, 0)
-            weights = torch.from_numpy(np.repeat(valid, [len(rows.rows[r]) for r in real]).astype(np.float32))
-            chosen += chosen_targets(rows, indices[valid])
-            scored += rows.targets(indices[valid])
-            with self.autocast():
-                pair_sum, nll, stats, n = self.preference.loss(self.model, self._batch(rows, real), "val",
-                                                               weights.to(self.device))
-            sums += torch.cat([torch.stack([pair_sum, nll, n]), stats]).double()
-        counts = torch.tensor([float(scored), float(chosen)], device=self.device, dtype=torch.float64)
-        totals = self.dist.all_reduce_sum(torch.cat([sums, counts]))
-        pairs, chosen_tokens = max(totals[2].item(), 1.0), max(totals[-1].item(), 1.0)
-        loss = totals[0].item() / pairs + totals[1].item() / chosen_tokens
-        out = {k: totals[3 + i].item() / pairs for i, k in enumerate(STATS)}
-        chosen_ppl = math.exp(min(-totals[7].item() / chosen_tokens, 50.0))  # logps/chosen summed, per token
-        return {"loss": loss, "ppl": chosen_ppl, "accuracy": out["rewards/accuracy"], "pairs": int(pairs),
-                "tokens": int(totals[-2].item()), **out}
+        self.preference.prepare(self.reference_source())
+        return self.validator.validate(self.model, rows, PairScores(self.preference))
+
+    def reference_source(self) -> ReferenceSource:
+        """What a preference objective's reference is made of: the run's initial settings, the policy (the
+        initial model before the first step), both splits' pairs, and the step the run is at."""
+        run = self.run
+        splits = {"train": pair_rows(run.train, "training"), "val": pair_rows(run.val, "validation")}
+        return ReferenceSource(run.cfg, run.hf_config, run.plan, self.dist, self.model, splits, self.step,
+                               self.batch, self.autocast)
 
     # ---- the run -------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
