@@ -436,3 +436,39 @@ def test_a_tiny_model_learns_a_rule_based_reward():
     finally:
         torch.set_num_threads(threads)
     assert means[0] < 0.1 and sum(means[-3:]) / 3 > 0.5, means
+
+
+# ---- the grpo: section -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["grpo.group=1"], "grpo.group must be >= 2, got 1"),
+    (["train.batch_size=6", "grpo.group=4"], "train.batch_size=6 counts completions, 1.5 prompts' worth at "
+                                             "grpo.group=4: set train.batch_size to a multiple of 4 (e.g. 4) or "
+                                             "grpo.group to 2 or 3 or 6."),
+    (["grpo.loss_type=dr-grpo"], "grpo.loss_type='dr-grpo' is not one of dapo, grpo, dr_grpo. Did you mean 'dr_grpo'?"),
+    (["grpo.max_completion_length=128"], "grpo.max_completion_length=128 leaves no room for a prompt in "
+                                         "data.seq_len=128"),
+    (["grpo.temperature=0"], "grpo.temperature must be > 0 (greedy completions"),
+    (["grpo.delta=1.1"], "grpo.delta must be > 1 + epsilon_high = 1.2 (null = off), got 1.1."),
+])
+def test_grpo_section_errors(overrides, message):
+    from shardlm.config import load_config
+    from shardlm.config.grpo import check_grpo
+
+    cfg = load_config(None, ["train.batch_size=8", "grpo.max_completion_length=64", *overrides])
+    with pytest.raises(ShardlmError) as e:
+        check_grpo(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompt_longer_than_its_room():
+    from shardlm.config import load_config
+    from shardlm.config.grpo import check_grpo, check_prompt_fits
+
+    cfg = load_config(None, ["data.seq_len=96", "grpo.max_completion_length=64", "train.batch_size=16"])
+    check_grpo(cfg)
+    check_prompt_fits(32, cfg, "prompts.jsonl:3")
+    with pytest.raises(ShardlmError, match=r"prompts.jsonl:3: the prompt has 33 tokens, more than the 32 that "
+                                           r"data.seq_len=96 leaves beside grpo.max_completion_length=64"):
+        check_prompt_fits(33, cfg, "prompts.jsonl:3")

@@ -29,9 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_LEVELS = ("token", "sequence")
+from shardlm.config.grpo import LOSS_TYPES, SCALE_REWARDS
+
 EPS = 1e-4  # TRL's: added to the std that divides the advantages
 
 

@@ -37,6 +37,7 @@ import torch
 
 from shardlm import ShardlmError
 from shardlm.config import GrpoConfig, nearest
+from shardlm.config.grpo import reward_weights
 
 RewardFn = Callable[..., Sequence[float | None]]
 SIGNATURE = "def f(prompts, completions, **kwargs) -> list[float | None]"
@@ -286,12 +287,7 @@ def _first_failure(reward: Reward, prompts: list, completions: list, completion_
 def load_rewards(g: GrpoConfig, fields: Sequence[str]) -> RewardSet:
     """`grpo.rewards` and `grpo.reward_weights`, each function checked against the data's fields (every field
     of a prompt record but the prompt)."""
-    if not g.rewards:
-        raise ShardlmError("grpo.rewards is empty: name at least one reward (e.g. grpo.rewards=[exact_match]).")
-    weights = [1.0] * len(g.rewards) if g.reward_weights is None else [float(w) for w in g.reward_weights]
-    if len(weights) != len(g.rewards):
-        raise ShardlmError(f"grpo.reward_weights has {len(weights)} weights for {len(g.rewards)} rewards "
-                           f"({', '.join(g.rewards)}): give one weight per reward, or null for 1 each.")
+    weights = reward_weights(g)
     rewards = []
     for name in g.rewards:
         if name in BUILTINS:

@@ -1,0 +1,79 @@
+"""Checks of the `grpo:` section for train.objective grpo and rloo, before anything is loaded: the choices with the
+nearest valid one, ranges, and how the section fits train.batch_size and data.seq_len. The reward functions
+themselves are checked where the data's fields are known (shardlm.rl.rewards)."""
+
+from __future__ import annotations
+
+from shardlm import ShardlmError
+from shardlm.config.schema import Config, GrpoConfig
+from shardlm.config.suggest import nearest
+
+RL_OBJECTIVES = ("grpo", "rloo")
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_LEVELS = ("token", "sequence")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ShardlmError(f"{name}={value!r} is not one of {', '.join(choices)}.{nearest(value, choices)}")
+
+
+def _range(name: str, value: float, ok: bool, want: str) -> None:
+    if not ok:
+        raise ShardlmError(f"{name} must be {want}, got {value}.")
+
+
+def check_grpo(cfg: Config) -> None:
+    g, t = cfg.grpo, cfg.train
+    _choice("grpo.loss_type", g.loss_type, LOSS_TYPES)
+    _choice("grpo.scale_rewards", g.scale_rewards, SCALE_REWARDS)
+    _choice("grpo.importance_sampling_level", g.importance_sampling_level, IMPORTANCE_LEVELS)
+    if g.group < 2:
+        raise ShardlmError(f"grpo.group must be >= 2, got {g.group}: a completion's advantage compares it with the "
+                           "other completions of its prompt. Set grpo.group=8 (TRL's num_generations).")
+    if t.batch_size % g.group:
+        fits = [d for d in range(2, t.batch_size + 1) if t.batch_size % d == 0][:4]
+        raise ShardlmError(f"train.batch_size={t.batch_size} counts completions, {t.batch_size / g.group:g} prompts' "
+                           f"worth at grpo.group={g.group}: set train.batch_size to a multiple of {g.group} "
+                           f"(e.g. {g.group * max(1, t.batch_size // g.group)})"
+                           + (f" or grpo.group to {' or '.join(map(str, fits))}." if fits else "."))
+    _range("grpo.max_completion_length", g.max_completion_length, g.max_completion_length >= 1, ">= 1")
+    if g.max_completion_length >= cfg.data.seq_len:
+        raise ShardlmError(f"grpo.max_completion_length={g.max_completion_length} leaves no room for a prompt in "
+                           f"data.seq_len={cfg.data.seq_len} (prompt + completion): raise data.seq_len or lower "
+                           "grpo.max_completion_length.")
+    _range("grpo.temperature", g.temperature, g.temperature > 0,
+           "> 0 (greedy completions of a prompt are all the same: every advantage would be 0)")
+    _range("grpo.top_p", g.top_p, 0 < g.top_p <= 1, "in (0, 1] (1 = off)")
+    _range("grpo.top_k", g.top_k, g.top_k >= 0, ">= 0 (0 = all tokens)")
+    _range("grpo.beta", g.beta, g.beta >= 0, ">= 0 (0 = no KL term, no reference)")
+    _range("grpo.epsilon", g.epsilon, 0 < g.epsilon < 1, "in (0, 1)")
+    high = g.epsilon if g.epsilon_high is None else g.epsilon_high
+    _range("grpo.epsilon_high", high, high > 0, "> 0 (null = grpo.epsilon)")
+    if g.delta is not None:
+        _range("grpo.delta", g.delta, g.delta > 1 + high, f"> 1 + epsilon_high = {1 + high:g} (null = off)")
+    _range("grpo.num_iterations", g.num_iterations, g.num_iterations >= 1, ">= 1")
+    reward_weights(g)
+
+
+def reward_weights(g: GrpoConfig) -> list[float]:
+    """One weight per reward (1 each by default)."""
+    if not g.rewards:
+        raise ShardlmError("grpo.rewards is empty: name at least one reward (e.g. grpo.rewards=[exact_match]).")
+    if g.reward_weights is None:
+        return [1.0] * len(g.rewards)
+    if len(g.reward_weights) != len(g.rewards):
+        raise ShardlmError(f"grpo.reward_weights has {len(g.reward_weights)} weights for {len(g.rewards)} rewards "
+                           f"({', '.join(g.rewards)}): give one weight per reward, or null for 1 each.")
+    return [float(w) for w in g.reward_weights]
+
+
+def check_prompt_fits(prompt_tokens: int, cfg: Config, where: str) -> None:
+    """A prompt and its longest completion must fit data.seq_len (the rows the policy is scored on)."""
+    room = cfg.data.seq_len - cfg.grpo.max_completion_length
+    if prompt_tokens > room:
+        raise ShardlmError(f"{where}: the prompt has {prompt_tokens} tokens, more than the {room} that "
+                           f"data.seq_len={cfg.data.seq_len} leaves beside grpo.max_completion_length="
+                           f"{cfg.grpo.max_completion_length}: raise data.seq_len, lower "
+                           "grpo.max_completion_length, or shorten the prompt.")
