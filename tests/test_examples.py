@@ -2,9 +2,11 @@
 
 The masks are checked against the real public templates in tests/data/chat_templates (Llama 3.1, Qwen2.5, Qwen3,
 Gemma 2/3, Mistral v0.3, Phi-3.5, SmolLM2, ChatML) on the GPT-2 tokenizer with each template's special tokens,
-and against transformers' own `return_assistant_tokens_mask` where a template has generation markers.
+against transformers' own `return_assistant_tokens_mask` on TRL's training templates (generation markers), and
+against TRL's `SFTTrainer` itself (messages with `assistant_only_loss`, conversational prompt/completion).
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from shardlm.data.render import TemplateError, tokenize
 from shardlm.data.sources import resolve
 from shardlm.models.attention import PACKING_FAMILIES, TESTED_FAMILIES
 from shardlm.models.causal_lm import check_packing
-from shardlm.tokenizer import load_tokenizer, set_chat_template
+from shardlm.tokenizer import fingerprint, load_tokenizer, set_chat_template, template_fingerprint
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 SOURCES = json.loads((TEMPLATES / "sources.json").read_text())
@@ -290,6 +292,9 @@ def test_a_cache_of_conversations_is_keyed_by_how_answers_end(tmp_path):
     assert keys["messages", "template"] != keys["messages", "end_of_turn"]
     assert keys["chat", "template"] != keys["chat", "end_of_turn"]
     assert keys["text", "template"] == keys["text", "end_of_turn"]
+    source = sources["messages"][0]  # the key of the caches written before the setting: theirs is end_of_turn's
+    before = [2, source.identity(), fingerprint(tok), template_fingerprint(tok), "messages", False, "error", None]
+    assert keys["messages", "end_of_turn"] == "ex-" + hashlib.sha256(json.dumps(before).encode()).hexdigest()[:20]
 
 
 def test_no_chat_template_and_too_long_examples_are_clear_errors(tmp_path):
