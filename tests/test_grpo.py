@@ -472,3 +472,36 @@ def test_prompt_longer_than_its_room():
     with pytest.raises(ShardlmError, match=r"prompts.jsonl:3: the prompt has 33 tokens, more than the 32 that "
                                            r"data.seq_len=96 leaves beside grpo.max_completion_length=64"):
         check_prompt_fits(33, cfg, "prompts.jsonl:3")
+
+
+# ---- prompt records ----------------------------------------------------------------------------------------------
+
+
+def test_prompt_records_and_their_token_ids():
+    """TRL's prompt records, chat data (the last answer is the reference) and prompt/completion data; a chat prompt's
+    ids are the ones `eval --exact-match` generates from."""
+    from shardlm.data.formats import BadExample, Example
+    from shardlm.inference.exact_match import prompt_and_reference
+    from shardlm.rl.prompts import completion_for_rewards, prompt_token_ids, rl_prompt
+    from shardlm.tokenizer import byte_tokenizer, set_chat_template
+
+    tok = byte_tokenizer()
+    set_chat_template(tok, "chatml")
+    chat = {"messages": [{"role": "user", "content": "Reverse: abc"}, {"role": "assistant", "content": "cba"}],
+            "task": "reverse"}
+    p = rl_prompt(chat, "heldout.jsonl:1")
+    assert p.prompt == chat["messages"][:1] and p.fields == {"answer": "cba", "task": "reverse"}
+    ids, reference = prompt_and_reference(tok, Example(messages=chat["messages"]))
+    assert prompt_token_ids(tok, p) == ids and reference == p.fields["answer"]
+    assert completion_for_rewards("cba", p) == [{"role": "assistant", "content": "cba"}]
+    text = rl_prompt({"prompt": "2+2=", "solution": "4"}, "a.jsonl:1", system="Be brief.")
+    assert text.prompt == "2+2=" and text.fields == {"solution": "4"} and not text.conversational
+    assert prompt_token_ids(tok, text) == list(b"2+2=") and completion_for_rewards("4", text) == "4"
+    with_system = rl_prompt({"prompt": [{"role": "user", "content": "hi"}]}, "a.jsonl:2", system="Be brief.")
+    assert with_system.prompt[0] == {"role": "system", "content": "Be brief."}
+    assert rl_prompt({"prompt": "Q", "completion": "A"}, "b.jsonl:1").fields == {"answer": "A"}
+    with pytest.raises(BadExample, match=r"c.jsonl:4: no 'prompt' \(nor chat 'messages'\) in this record \(fields "
+                                         r"found: question, answer\)"):
+        rl_prompt({"question": "Q", "answer": "A"}, "c.jsonl:4")
+    with pytest.raises(BadExample, match="message 0 of 'prompt' has role 'bot'"):
+        rl_prompt({"prompt": [{"role": "bot", "content": "x"}]}, "c.jsonl:5")
