@@ -31,7 +31,7 @@ def worker(out_dir: str, mode: str) -> None:
 
     from shardlm.checkpoint.state import model_parts
     from shardlm.config import load_config
-    from shardlm.models.causal_lm import model_config
+    from shardlm.models.hf_config import model_config
     from shardlm.tokenizer import load_tokenizer
     from shardlm.training.build import build_model, build_optimizer, init_dist
 

@@ -16,7 +16,7 @@ milliseconds per step on a CPU, so every per-step cost of a trainer shows.
   (`train.sample_tokens=0`) are off; both run outside the timed window. Wall steps/s come from the `time_s`
   of its metrics.jsonl records; a hook on `MetricsLog.write` (one `time.process_time()` per record) adds the
   process CPU time at each record.
-- minimal side: the same GPT-2 config (`shardlm.models.causal_lm.model_config`) and init seed, the same batches in the
+- minimal side: the same GPT-2 config (`shardlm.models.hf_config.model_config`) and init seed, the same batches in the
   same order (shardlm's TokenBlocks + GlobalSampler, stacked before the loop), `torch.optim.AdamW` with
   the same betas, weight-decay groups and warmup + cosine schedule (LambdaLR), and per step nothing but
   `model(input_ids, labels, shift_labels).loss` (HF's own loss) -> backward -> clip_grad_norm_ -> step ->
@@ -78,7 +78,7 @@ def run_minimal(args) -> dict:
     from shardlm.config import load_config
     from shardlm.data import GlobalSampler, eval_shares, prepare_data
     from shardlm.distributed.process_group import Dist, LaunchInfo
-    from shardlm.models.causal_lm import model_config
+    from shardlm.models.hf_config import model_config
     from shardlm.tokenizer import model_tokenizer
 
     cfg = load_config(None, overrides(args, "/tmp/unused"))

@@ -70,7 +70,7 @@ def run_hf(s: dict, data: str) -> dict:
     from shardlm.config import load_config
     from shardlm.data import GlobalSampler, prepare_data
     from shardlm.distributed.process_group import Dist, LaunchInfo
-    from shardlm.models.causal_lm import padded_vocab
+    from shardlm.models.hf_config import padded_vocab
     from shardlm.tokenizer import load_tokenizer
 
     cfg = load_config(None, shardlm_overrides(s, data, []))

@@ -54,7 +54,8 @@ def test_whole_model_compiles_to_one_graph_with_eager_losses(corpus, cache_dir, 
 def test_compiled_attention_of_unpadded_blocks_is_causal_without_a_mask():
     """Traced, transformers builds a full (B, 1, T, T) mask (it cannot rule out packed sequences), which denies
     SDPA its causal flash kernels; shardlm's blocks get is_causal=True. A sliding window stays a real mask."""
-    from shardlm.models.causal_lm import empty_model, model_config
+    from shardlm.models.hf_config import model_config
+    from shardlm.models.instantiate import empty_model
     from shardlm.tokenizer import load_tokenizer
 
     def sdpa_calls(arch: str, attention: str = "auto", **config_overrides) -> list[dict]:

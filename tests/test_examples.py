@@ -22,7 +22,7 @@ from shardlm.data.packing import ExampleRows, best_fit_decreasing
 from shardlm.data.render import TemplateError, tokenize
 from shardlm.data.sources import resolve
 from shardlm.models.attention import PACKING_FAMILIES, TESTED_FAMILIES
-from shardlm.models.causal_lm import check_packing
+from shardlm.models.hf_config import check_packing
 from shardlm.tokenizer import fingerprint, load_tokenizer, set_chat_template, template_fingerprint
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"

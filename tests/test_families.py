@@ -23,7 +23,9 @@ from helpers import ROOT, generate_from_path, python_cmd, save_hf_folder, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.models.attention import TESTED_FAMILIES
-from shardlm.models.causal_lm import CausalLM, empty_model, model_config
+from shardlm.models.causal_lm import CausalLM
+from shardlm.models.hf_config import model_config
+from shardlm.models.instantiate import empty_model
 from shardlm.tokenizer import byte_tokenizer
 
 SMALL = {"model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,

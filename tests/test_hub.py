@@ -11,7 +11,7 @@ from shardlm import ShardlmError
 from shardlm.cli import main
 from shardlm.config import load_config
 from shardlm.inference.export import run_facts, write_card
-from shardlm.models.causal_lm import model_config
+from shardlm.models.hf_config import model_config
 from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 

@@ -271,7 +271,8 @@ def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path
     assert np.allclose(live, scores[0][batch.units.numpy()], rtol=1e-5, atol=1e-5)
     assert t.model.training  # and the adapters back on: the policy's own scores moved
     with torch.no_grad():
-        policy, _ = t.model(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * len(batch.units))
+        policy, _ = t.model.sequence_logps(batch.inputs, batch.targets, batch.positions, batch.segments,
+                                           2 * len(batch.units))
     assert not np.allclose(policy.view(-1, 2).double().numpy(), live, rtol=1e-3, atol=1e-3)
 
 
@@ -394,3 +395,29 @@ def test_rpo_adds_the_chosen_answers_token_mean_cross_entropy_to_dpo(pairs_file,
     with pytest.raises(ShardlmError, match="preference.rpo_alpha adds the chosen answers' cross-entropy to dpo"):
         load_config_of(pair_args(pairs_file, cache_dir, tmp_path, **{"train.objective": "simpo",
                                                                         "preference.rpo_alpha": 1.0})[1:])
+
+
+def test_schedule_free_swaps_to_y_before_a_preference_forward():
+    """`sequence_logps` is a forward of its own, which nn.Module's hooks do not see: schedule-free AdamW's swap of
+    the weights to y must run before it as before `forward`, or every preference step would train at x."""
+    from transformers import GPT2LMHeadModel
+
+    from helpers import byte_gpt2_config
+    from shardlm.models.causal_lm import CausalLM
+    from shardlm.training.optim.variants import schedule_free_adamw
+
+    torch.manual_seed(0)
+    model = CausalLM(GPT2LMHeadModel(byte_gpt2_config()))
+    optimizer = schedule_free_adamw(model, [{"params": list(model.parameters())}], lr=0.1)
+    tokens = torch.randint(0, 256, (2, 16))
+    segments = torch.arange(32).view(2, 16) // 8
+    model(tokens, tokens)[0].backward()
+    optimizer.step()  # x and y now differ; the step ends at x
+    optimizer.zero_grad()
+    model.eval()
+    at_x, _ = model.sequence_logps(tokens, tokens, None, segments, 4)
+    assert not optimizer.param_groups[0]["train_mode"]  # an evaluation stays at x
+    model.train()
+    at_y, _ = model.sequence_logps(tokens, tokens, None, segments, 4)
+    assert optimizer.param_groups[0]["train_mode"]  # the training forward swapped to y first
+    assert not torch.allclose(at_x, at_y)

@@ -9,7 +9,7 @@ from helpers import byte_gpt2_config, records, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.data import GlobalSampler
-from shardlm.models.causal_lm import model_config
+from shardlm.models.hf_config import model_config
 from shardlm.tokenizer import byte_tokenizer, load_tokenizer
 
 

@@ -121,7 +121,7 @@ def test_qlora_estimate_counts_what_bitsandbytes_holds(tmp_path, monkeypatch):
 
     from shardlm.config import load_config
     from shardlm.models import lora
-    from shardlm.models.causal_lm import model_config
+    from shardlm.models.hf_config import model_config
     from shardlm.preflight.estimate import estimate
     from shardlm.tokenizer import model_tokenizer
 

@@ -65,7 +65,7 @@ def _file_record(path: Path, known: dict | None) -> dict:
 
 
 def local_base(name: str) -> Path | None:
-    from shardlm.models.causal_lm import model_source
+    from shardlm.models.hf_config import model_source
 
     source = Path(model_source(name))
     if source.is_dir():

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
-from shardlm.models.causal_lm import empty_model, fill_meta_buffers
+from shardlm.models.instantiate import empty_model, fill_meta_buffers
 from shardlm.models.state_keys import to_hf
 
 if TYPE_CHECKING:

@@ -209,6 +209,7 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
         model.loss_fn = torch.compile(model.loss_fn, dynamic=False)
     if pl.compile == "model" and not pl.use_fsdp:
         model.compile(dynamic=False)
+        model.sequence_logps = torch.compile(model.sequence_logps, dynamic=False)  # type: ignore[method-assign]
     return model
 
 
@@ -233,7 +234,13 @@ def cast_hidden_states(dtype: torch.dtype):
 def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
     """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch. As in
     torchtitan, the last block stays gathered after its forward (its backward comes next)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
     if pl.dtype != torch.float32:
@@ -246,6 +253,7 @@ def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, 
         last = i == len(blocks) - 1
         sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))
     fully_shard(model, **kwargs)
+    register_fsdp_forward_method(model, "sequence_logps")  # a forward too: the root's gathers, its reshard
     if p.prefetch > 0 and len(blocks) > 1:
         depth = p.prefetch
         for i, unit in enumerate(sharded):

@@ -14,7 +14,7 @@ from pathlib import Path
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of, tokenizer_dir
 from shardlm.inference.load import is_adapter_folder, is_hf_folder, load_for_inference
-from shardlm.models.causal_lm import context_length, padding_ids
+from shardlm.models.hf_config import context_length, padding_ids
 from shardlm.tokenizer import end_of_turn_id
 
 CARD_MARK = "trained with shardlm"  # in every export's README.md (model_card): how an earlier export is known

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.models.causal_lm import context_length
+from shardlm.models.hf_config import context_length
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

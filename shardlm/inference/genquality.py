@@ -123,7 +123,7 @@ def last_hidden_features(model, sequences: list[list[int]], batch_size: int = 16
     never sees the padding after it. Sequences longer than the model's context keep their end."""
     import torch
 
-    from shardlm.models.causal_lm import context_length
+    from shardlm.models.hf_config import context_length
 
     context = context_length(model.config) or max(map(len, sequences))
     device = next(model.parameters()).device

@@ -30,7 +30,7 @@ from shardlm.checkpoint.layout import (
     tokenizer_dir,
 )
 from shardlm.config import Config, LoraConfig
-from shardlm.models.causal_lm import fill_meta_buffers
+from shardlm.models.instantiate import fill_meta_buffers
 from shardlm.models.state_keys import CHECKPOINT, checkpoint_key, to_hf
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def load_lora_checkpoint(ckpt: Path, cfg: Config):
     """A `peft.PeftModel` (CPU, fp32, unmerged): the run's base model + the checkpoint's adapter weights."""
 
     from shardlm.models import lora
-    from shardlm.models.causal_lm import initial_model
+    from shardlm.models.instantiate import initial_model
 
     manifest = read_manifest(ckpt)
     saved = manifest.get("base") or {}
@@ -96,7 +96,7 @@ def load_adapter_folder(path: Path, trust_remote_code: bool = False):
 
 def load_checkpoint_model(ckpt: Path) -> PreTrainedModel:
 
-    from shardlm.models.causal_lm import empty_model
+    from shardlm.models.instantiate import empty_model
 
     hf_config = read_hf_config(ckpt)
     model = empty_model(hf_config, "meta")

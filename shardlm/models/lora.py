@@ -74,7 +74,7 @@ def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> PreTrainedModel
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
-    from shardlm.models.causal_lm import initial_model
+    from shardlm.models.instantiate import initial_model
 
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.parallel.precision, torch.float32)
     nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -105,7 +105,7 @@ def _conv1d_layout(state: dict, keys: set[str], hf_config) -> dict:
     """Weights that bitsandbytes held as (out, in) Linear4bit back in the (in, out) layout of GPT-2's Conv1D."""
     from transformers.pytorch_utils import Conv1D
 
-    from shardlm.models.causal_lm import empty_model
+    from shardlm.models.instantiate import empty_model
 
     plain = dict(empty_model(hf_config, "meta").named_modules())
     for key in {k.replace(".base_layer.", ".") for k in keys}:

@@ -76,7 +76,9 @@ def _example_lines(train, tokenizer) -> list[str]:
 def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
     """(tokenizer, HF config, lines); the tokenizer or config is None where a hub name cannot be reached."""
     from shardlm.hub import hub_reachable
-    from shardlm.models.causal_lm import empty_model, model_config, num_params
+    from shardlm.models.causal_lm import num_params
+    from shardlm.models.hf_config import model_config
+    from shardlm.models.instantiate import empty_model
     from shardlm.tokenizer import model_tokenizer, tokenizer_spec
 
     tokenizer = None

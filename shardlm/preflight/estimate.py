@@ -21,14 +21,9 @@ import torch
 from shardlm.config import Config
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 from shardlm.models import lora
-from shardlm.models.causal_lm import (
-    auto_loss_chunk,
-    empty_model,
-    logit_transform,
-    model_config,
-    num_params,
-    transformer_blocks,
-)
+from shardlm.models.causal_lm import auto_loss_chunk, num_params, transformer_blocks
+from shardlm.models.hf_config import logit_transform, model_config
+from shardlm.models.instantiate import empty_model
 from shardlm.training.optimizers import state_bytes_estimate
 
 GB = 2**30

@@ -18,7 +18,9 @@ from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
-from shardlm.models.causal_lm import CausalLM, auto_loss_chunk, check_packing, empty_model, initial_model, model_config
+from shardlm.models.causal_lm import CausalLM, auto_loss_chunk
+from shardlm.models.hf_config import check_packing, model_config
+from shardlm.models.instantiate import empty_model, initial_model
 from shardlm.models.state_keys import from_hf, hf_name, is_hf
 from shardlm.tokenizer import model_tokenizer
 from shardlm.training import optimizers

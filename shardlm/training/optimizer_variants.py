@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlm.models.causal_lm import before_every_forward
 from shardlm.training.shard_tensors import (
     _comm_device,
     _local,
@@ -212,5 +213,5 @@ def schedule_free_adamw(model: nn.Module, groups: list[dict[str, Any]], **kwargs
         if module.training:
             optimizer.train()
 
-    model.register_forward_pre_hook(to_y, prepend=True)  # before FSDP2's own (it gathers the weights)
+    before_every_forward(model, to_y)  # before FSDP2's gathers, also of a preference step's sequence_logps
     return optimizer

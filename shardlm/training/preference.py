@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from shardlm.config import Config
     from shardlm.distributed.parallelize import Plan
     from shardlm.distributed.process_group import Dist
+    from shardlm.models.causal_lm import CausalLM
     from shardlm.training.validate import Share
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected")
@@ -89,7 +90,7 @@ class Preference:
         self.needs_reference = self.objective not in REFERENCE_FREE
         self.live = self.needs_reference and cfg.preference.reference == "live"
         self.reference: dict[str, torch.Tensor] = {}  # split -> (units, 2) log-probabilities (precomputed)
-        self.frozen: torch.nn.Module | None = None  # live without LoRA: the frozen initial model
+        self.frozen: CausalLM | None = None  # live without LoRA: the frozen initial model
         self.key: str | None = None  # live: the initial model's identity, kept in the run's state
         self.resumed_key: str | None = None  # ... as the resumed checkpoint recorded it
         self.ready = not self.needs_reference
@@ -123,12 +124,13 @@ class Preference:
     @torch.no_grad()
     def live_logps(self, model, batch: Batch, sequences: int) -> torch.Tensor:
         """(pairs, 2): the reference's log-probabilities of this micro-batch, in eval mode as precomputed ones."""
+        assert batch.segments is not None
         ref = self.frozen if self.frozen is not None else model
         training = ref.training
         if training:
             ref.eval()
         with contextlib.nullcontext() if self.frozen is not None else lora.adapters_off(ref):
-            logps, _ = ref(batch.inputs, batch.targets, batch.positions, batch.segments, sequences)
+            logps, _ = ref.sequence_logps(batch.inputs, batch.targets, batch.positions, batch.segments, sequences)
         if training:
             ref.train()
         if self.frozen is not None:
@@ -144,7 +146,7 @@ class Preference:
             ref = self.reference[split][batch.units]
         elif self.live:  # before the policy's forward: FSDP2 then sees one forward, and its backward
             ref = self.live_logps(model, batch, 2 * n)
-        logps, counts = model(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * n)
+        logps, counts = model.sequence_logps(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * n)
         chosen, rejected = logps[0::2], logps[1::2]
         out = pair_losses(self.objective, chosen, rejected, counts[0::2], counts[1::2],
                           None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],
@@ -183,7 +185,7 @@ class PairScores:
                 "accuracy": out["rewards/accuracy"], "pairs": int(pairs), "tokens": int(totals["tokens"]), **out}
 
 
-def frozen_reference(run, build_model) -> torch.nn.Module:
+def frozen_reference(run, build_model) -> CausalLM:
     """The initial model again, built as the policy was (build_model: the same weights, precision and
     parallelize, so sharded alike), frozen in eval mode. The global RNG is left as it was."""
     import dataclasses
@@ -262,7 +264,7 @@ def score_all(model, rows: ExampleRows, dist, batch: int, autocast) -> np.ndarra
         b = rows.batch(np.where(valid, indices, 0)).to(dist.device)
         assert b.units is not None
         with autocast():
-            logps, _ = model(b.inputs, b.targets, b.positions, b.segments, 2 * len(b.units))
+            logps, _ = model.sequence_logps(b.inputs, b.targets, b.positions, b.segments, 2 * len(b.units))
         keep = torch.from_numpy(np.repeat(valid, [len(rows.rows[r]) for r in np.where(valid, indices, 0)]))
         units = b.units[keep.to(b.units.device)]
         out[units] = logps.view(-1, 2)[keep.to(logps.device)].double()
