@@ -484,3 +484,84 @@ def test_a_mistyped_data_path_names_the_file_beside_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ShardlmError, match=r"data path 'speechs.csv' does not exist. Did you mean 'speeches.csv'\?"):
         resolve("speechs.csv", "train", None)
+
+
+# ---- cache integrity: sizes and checksums recorded at build, checked at open ----
+
+def damage(path, how: str) -> None:
+    """A cache file truncated (a full disk, a copy cut short) or zeroed in place (same size)."""
+    size = path.stat().st_size
+    path.write_bytes(path.read_bytes()[: size // 2] if how == "truncated" else b"\0" * size)
+
+
+def refused_then_rebuilt(folder, name: str, how: str, load, build) -> None:
+    """Opening the damaged cache is one line naming the file and the fix; building it again gives the same data
+    back, with a warning, and keeps what the folder held beside the cache (a stored reference)."""
+    from shardlm.data.examples import reference_problem, save_reference
+
+    save_reference(folder / "reference-k.npy", np.ones((3, 2)))
+    whole = {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "meta.json"}
+    damage(folder / name, how)
+    with pytest.raises(ShardlmError) as err:
+        load(folder)
+    msg = str(err.value)
+    assert str(folder / name) in msg and f"Delete {folder} and rerun" in msg and "\n" not in msg, msg
+    logs: list[str] = []
+    assert build(logs.append) == folder
+    assert logs[0].startswith(f"warning: {folder / name} "), logs
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name != "meta.json"} == whole
+    assert reference_problem(folder / "reference-k.npy") is None and load(folder) is not None
+    assert not list(folder.parent.glob("*.damaged*"))
+
+
+@pytest.mark.parametrize("name, how", [("tokens.bin", "truncated"), ("tokens.bin", "zeroed"),
+                                       ("meta.json", "truncated")])
+def test_a_damaged_text_cache_is_refused_at_open_and_built_again(tmp_path, name, how):
+    (tmp_path / "a.txt").write_text("to be or not to be " * 200)
+    source, tok = resolve(str(tmp_path / "a.txt")), byte_tokenizer()
+
+    def build(log):
+        return build_cache(source, tok, tmp_path / "cache", log=log)
+
+    refused_then_rebuilt(build(lambda _: None), name, how, load_tokens, build)
+
+
+@pytest.mark.parametrize("name, how", [("labels.bin", "zeroed"), ("offsets.npy", "truncated"),
+                                       ("records.npy", "zeroed"), ("meta.json", "zeroed")])
+def test_a_damaged_example_cache_is_refused_at_open_and_built_again(tmp_path, name, how):
+    from shardlm.config import DataConfig
+    from shardlm.data.examples import build_examples, load_examples
+
+    rows = [{"prompt": f"add {i} and {i}", "completion": f" {2 * i}"} for i in range(40)]
+    (tmp_path / "ex.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source, tok = resolve(str(tmp_path / "ex.jsonl")), byte_tokenizer()
+
+    def build(log):
+        return build_examples(source, tok, DataConfig(), tmp_path / "cache", log=log)
+
+    refused_then_rebuilt(build(lambda _: None), name, how, load_examples, build)
+
+
+def test_a_cache_built_before_checksums_opens_and_its_sizes_are_still_checked(tmp_path):
+    (tmp_path / "a.txt").write_text("to be or not to be " * 200)
+    folder = build_cache(resolve(str(tmp_path / "a.txt")), byte_tokenizer(), tmp_path / "cache", log=print)
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["check"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert len(load_tokens(folder)) == meta["num_tokens"]
+    damage(folder / "tokens.bin", "truncated")
+    with pytest.raises(ShardlmError, match=r"tokens.bin is truncated: 3,801 bytes, 7,602 written\. Delete "):
+        load_tokens(folder)
+
+
+def test_a_stored_reference_truncated_or_zeroed_is_named(tmp_path):
+    from shardlm.data.examples import reference_problem, save_reference
+
+    path = tmp_path / "reference-k.npy"
+    for how, words in (("truncated", "is truncated"), ("zeroed", "was changed since it was written")):
+        save_reference(path, np.arange(8.0).reshape(4, 2))
+        assert reference_problem(path) is None
+        damage(path, how)
+        assert reference_problem(path).startswith(f"{path} {words}")
+    path.with_name("reference-k.check.json").unlink()  # written before the record: numpy's reading checks it
+    assert reference_problem(path) == f"{path} is not a whole .npy file"

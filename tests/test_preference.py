@@ -136,6 +136,17 @@ def test_dpo_resume_is_exact_and_a_lost_reference_is_an_error(dpo_one, pairs_fil
     finally:
         for r in moved:
             r.rename(r.with_suffix(".npy"))
+    whole = {r: r.read_bytes() for r in refs}
+    try:  # truncated (a full disk): named, not numpy's traceback
+        for r, data in whole.items():
+            r.write_bytes(data[: len(data) // 2])
+        proc = shardlm_cli([*args, "train.max_steps=8"], check=False)
+        error = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(error) == 1 and "reference-" in error[0] and "is truncated" in error[0] \
+            and "start over with checkpoint.resume=none" in error[0], proc.stderr
+    finally:
+        for r, data in whole.items():
+            r.write_bytes(data)
 
 
 def test_a_live_reference_resumes_exactly(dpo_one, pairs_file, cache_dir, tmp_path):

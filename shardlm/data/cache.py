@@ -3,7 +3,9 @@
 Layout: `CACHE/<key>/tokens.bin` (uint16 when the vocabulary fits, else uint32) and `meta.json`.
 The folder is written under a temporary name and renamed, so a killed build never leaves a cache that
 looks complete; a lock file beside it makes any other process that wants the same cache (another rank,
-another job, `shardlm prepare` on a login node) wait for this build instead of repeating it.
+another job, `shardlm prepare` on a login node) wait for this build instead of repeating it. meta.json
+records each file's size and a cheap checksum (`integrity.py`): a cache damaged since (truncated, zeroed)
+is built again, or refused in one line where it is opened.
 Memory stays flat: documents are cut into token-neutral pieces (`pieces.py`), tokenized in batches by the
 Rust tokenizer on every core, and appended to the file in order, so the bytes written do not depend on the
 number of cores.
@@ -24,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from shardlm import ShardlmError, __version__
+from shardlm.data import integrity
 from shardlm.data.fastbpe import tiktoken_encoder
 from shardlm.data.pieces import PIECE_CHARS, Encode, cut_documents
 from shardlm.data.sources import Source, iter_documents
@@ -112,16 +115,50 @@ def build_lock(folder: Path, log: Callable[[str], None]) -> Iterator[None]:
             lock.unlink(missing_ok=True)
 
 
+def read_meta(folder: Path) -> dict:
+    """A cache's meta.json, checked whole: the files it records are as they were written (`damage`), else a
+    one-line error naming the file and the fix."""
+    if (why := damage(folder)) is not None:
+        raise ShardlmError(f"{why}. Delete {folder} and rerun: the cache is built again from its source.")
+    return json.loads((folder / "meta.json").read_text())
+
+
 def load_tokens(folder: Path) -> np.memmap:
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder)
     return np.memmap(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["num_tokens"],))
 
 
+def damage(folder: Path) -> str | None:
+    """What is wrong with a cache folder that has a meta.json, in words, or None. A cache built before meta.json
+    recorded checksums has the sizes its meta implies checked, and its .npy files read."""
+    meta_file = folder / "meta.json"
+    try:
+        text = meta_file.read_bytes()
+    except OSError:
+        return f"{meta_file} is missing"
+    try:
+        meta = json.loads(text)
+        n, itemsize = int(meta["num_tokens"]), np.dtype(meta["dtype"]).itemsize
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"{meta_file} is not whole ({len(text):,} bytes that do not read as the cache's record)"
+    examples = folder.name.startswith("ex-")
+    sizes = {"tokens.bin": n * itemsize, **({"labels.bin": n} if examples else {})}
+    why = integrity.problem(folder, meta.get("check"), sizes)
+    if why is not None or "check" in meta:  # a cache with a record is checked by it
+        return why
+    for name in ("offsets.npy", "records.npy") if examples else ():
+        try:
+            np.load(folder / name, mmap_mode="r")
+        except (ValueError, OSError, EOFError):
+            return f"{folder / name} is not a whole .npy file"
+    return None
+
+
 def build_once(folder: Path, write: Callable[[Path], dict], log: Callable[[str], None]) -> tuple[Path, dict | None]:
-    """`folder`, made by `write(tmp)` (which fills `tmp` and returns its meta) unless complete already: under a
-    temporary name renamed when whole, one builder at a time (`build_lock`). The meta of a build done here,
-    None when the folder was complete."""
-    if (folder / "meta.json").is_file():
+    """`folder`, made by `write(tmp)` (which fills `tmp` and returns its meta) unless complete and intact already:
+    under a temporary name renamed when whole, one builder at a time (`build_lock`). A damaged folder is built
+    again, with a warning. The meta of a build done here, None when the folder was complete."""
+    if (folder / "meta.json").is_file() and damage(folder) is None:
         return folder, None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -130,22 +167,39 @@ def build_once(folder: Path, write: Callable[[Path], dict], log: Callable[[str],
             from None
     with build_lock(folder, log):
         if (folder / "meta.json").is_file():
-            return folder, None
+            if (why := damage(folder)) is None:
+                return folder, None
+            log(f"warning: {why}: building the cache again from its source")
         tmp = Path(f"{folder}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         start = time.time()
         try:
             meta = {**write(tmp), "seconds": round(time.time() - start, 3), "shardlm_version": __version__}
+            meta["check"] = integrity.record(tmp, sorted(p.name for p in tmp.iterdir()))
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            try:
-                tmp.rename(folder)
-            except OSError:  # another process finished the same cache first (a file system without locks)
-                shutil.rmtree(tmp, ignore_errors=True)
+            _commit(tmp, folder)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return folder, meta
+
+
+def _commit(tmp: Path, folder: Path) -> None:
+    """`tmp` becomes `folder`. A damaged folder it replaces is moved aside first, and what it held that a build
+    does not write (a preference run's stored reference, shardlm.training.preference) is carried over."""
+    aside = Path(f"{folder}.damaged{os.getpid()}")
+    if folder.exists():
+        folder.rename(aside)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished the same cache first (a file system without locks)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if aside.exists():
+        for extra in aside.iterdir():
+            if not (folder / extra.name).exists():
+                extra.rename(folder / extra.name)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def build_cache(source: Source, tokenizer, root: Path, text_field: str = "text",
@@ -224,9 +278,9 @@ def count_tokens(source: Source, tokenizer, root: Path, text_field: str = "text"
     """(tokens, exact) of what `build_cache` would hold, writing nothing: a dry run's check of the block counts.
     A built cache answers at once; otherwise the source is tokenized in memory, stopping once `enough` tokens
     are counted (exact False: at least that many), so a large corpus costs a dry run seconds, not its build."""
-    meta = root / cache_key(source, tokenizer, text_field, rows_are_documents) / "meta.json"
-    if meta.is_file():
-        return json.loads(meta.read_text())["num_tokens"], True
+    folder = root / cache_key(source, tokenizer, text_field, rows_are_documents)
+    if (folder / "meta.json").is_file() and damage(folder) is None:  # a damaged one: counted here, rebuilt by the run
+        return json.loads((folder / "meta.json").read_text())["num_tokens"], True
     count = docs = 0
     with all_cores():
         batches = _token_batches(source, tokenizer, text_field, rows_are_documents)

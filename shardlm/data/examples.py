@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,8 @@ import numpy as np
 
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
-from shardlm.data.cache import build_once
+from shardlm.data import integrity
+from shardlm.data.cache import build_once, read_meta
 from shardlm.data.formats import BadExample, Example, Pair, detect, to_example, to_pair, variant_of
 from shardlm.data.records import first_record, iter_records
 from shardlm.data.render import pair_ids, tokenize
@@ -193,11 +195,46 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
 
 
 def load_examples(folder: Path) -> ExampleSet:
-    meta = json.loads((folder / "meta.json").read_text())
+    meta = read_meta(folder)
     n, dtype = meta["num_tokens"], np.dtype(meta["dtype"])
     return ExampleSet(np.memmap(folder / "tokens.bin", dtype=dtype, mode="r", shape=(n,)),
                       np.memmap(folder / "labels.bin", dtype=np.uint8, mode="r", shape=(n,)),
                       np.load(folder / "offsets.npy"), np.load(folder / "records.npy"), {**meta, "folder": str(folder)})
+
+
+def _check_file(reference: Path) -> Path:
+    return reference.with_name(f"{reference.stem}.check.json")
+
+
+def save_reference(path: Path, values: np.ndarray) -> None:
+    """A preference run's stored reference (shardlm.training.preference) beside its example cache, with its size
+    and checksum in `NAME.check.json` (read by `reference_problem`); each written under a temporary name."""
+    tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+    np.save(tmp, values)
+    check = {"scheme": integrity.SCHEME, "bytes": tmp.stat().st_size, "crc32": integrity.checksum(tmp)}
+    tmp.rename(path)
+    side = _check_file(path)
+    tmp_side = side.with_name(f"{side.name}.tmp{os.getpid()}")
+    tmp_side.write_text(json.dumps(check))
+    tmp_side.rename(side)
+
+
+def reference_problem(path: Path) -> str | None:
+    """What is wrong with a stored reference, in words, or None: its size and checksum against its record (one
+    written before records, or whose record is unreadable, has none) and whether it reads as (pairs, 2) values."""
+    try:
+        check = json.loads(_check_file(path).read_text())
+        files = {path.name: {"bytes": int(check["bytes"]), "crc32": int(check["crc32"])}}
+        why = integrity.problem(path.parent, {"scheme": check["scheme"], "files": files}, {})
+    except (OSError, ValueError, KeyError, TypeError):
+        why = None
+    if why is not None:
+        return why
+    try:
+        values = np.load(path)
+    except (ValueError, OSError, EOFError):
+        return f"{path} is not a whole .npy file"
+    return None if values.ndim == 2 and values.shape[1] == 2 else f"{path} does not hold (pairs, 2) values"
 
 
 def examples_in_memory(source: Source, tok, cfg: DataConfig) -> ExampleSet:

@@ -27,7 +27,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.checkpoint.provenance import arch_of, base_identity
 from shardlm.data import Batch, ExampleRows, MixtureBlocks, eval_shares
+from shardlm.data.examples import reference_problem, save_reference
 from shardlm.models import lora
 from shardlm.models.preference import REFERENCE_FREE, pair_losses
 
@@ -294,6 +294,12 @@ def prepare_reference(source: ReferenceSource, store: bool = True) -> dict[str, 
     return arrays
 
 
+def damaged_reference(why: str) -> ShardlmError:
+    """A stored reference that cannot be read back after the first step (`reference_problem`'s words)."""
+    return ShardlmError(f"{why}: the reference log-probabilities of this run cannot be read back. The reference is "
+                        "the model this run started from; start over with checkpoint.resume=none (or a new out_dir).")
+
+
 def _reference_values(source: ReferenceSource, key: str, splits: list[ExampleRows],
                       store: bool = True) -> np.ndarray:
     """(pairs of the example set, 2): the file's values, with the splits' pairs it lacks scored first."""
@@ -301,6 +307,11 @@ def _reference_values(source: ReferenceSource, key: str, splits: list[ExampleRow
     folder = examples.meta.get("folder")
     path = Path(folder) / f"reference-{key}.npy" if folder and store else None
     found = path is not None and path.is_file()
+    if path is not None and found and (damaged := reference_problem(path)) is not None:
+        if source.step > 0:
+            raise damaged_reference(damaged)
+        dist.print(f"warning: {damaged}: the reference is scored again")
+        found = False
     values = np.load(path) if path is not None and found else np.full((len(examples), 2), np.nan)
     for rows in splits:
         if found and len(rows.ids) and not values[rows.ids].any():  # a split left at zero, never scored
@@ -321,8 +332,6 @@ def _reference_values(source: ReferenceSource, key: str, splits: list[ExampleRow
     for rows in missing:
         values[rows.ids] = score_all(source.model, rows, dist, source.batch, source.autocast)[rows.ids]
     if path is not None and dist.is_main:
-        tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
-        np.save(tmp, values)
-        tmp.rename(path)
+        save_reference(path, values)
     dist.barrier()
     return values
