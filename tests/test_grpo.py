@@ -303,12 +303,12 @@ def test_reward_weights_must_match():
 # ---- sampling ----------------------------------------------------------------------------------------------------
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, vocab_size: int = 40, eos: int = 39):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=40, n_positions=64, n_layer=2, n_embd=32, n_head=2, bos_token_id=39,
-                     eos_token_id=39, initializer_range=0.3)
+    cfg = GPT2Config(vocab_size=vocab_size, n_positions=64, n_layer=2, n_embd=32, n_head=2, bos_token_id=eos,
+                     eos_token_id=eos, initializer_range=0.3)
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -505,3 +505,37 @@ def test_prompt_records_and_their_token_ids():
         rl_prompt({"question": "Q", "answer": "A"}, "c.jsonl:4")
     with pytest.raises(BadExample, match="message 0 of 'prompt' has role 'bot'"):
         rl_prompt({"prompt": [{"role": "bot", "content": "x"}]}, "c.jsonl:5")
+
+
+def test_a_scored_round():
+    """Sample, decode, score and normalize one round: the advantages are those of the rewards the completions got,
+    batch scaling from sums equals TRL's nanstd, and the metrics are TRL's."""
+    from shardlm.rl.prompts import RLPrompt
+    from shardlm.rl.rewards import Reward, RewardSet
+    from shardlm.rl.rollout import round_metrics, sampling_params, score_round
+    from shardlm.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = _model(vocab_size=257, eos=256)
+    prompts = [RLPrompt("ab", {"answer": "x"}), RLPrompt("cd", {"answer": "y"})]
+    odd = Reward("odd", lambda completion_ids, **_: [len(c) % 2 or None for c in completion_ids], ())
+    has_a = Reward("has_a", lambda completions, answer, **_: [float("a" in c) + (a == "y") for c, a in
+                                                              zip(completions, answer, strict=True)], ("answer",))
+    rewards = RewardSet([odd, has_a], [1.0, 0.5])
+    for scale in ("group", "batch"):
+        g = GrpoConfig(group=4, max_completion_length=5, scale_rewards=scale, top_k=8)
+        params = sampling_params(g, [256], seed=1)
+        r = score_round(TransformersSampler(model, pad=256), tok, prompts, [list(b"ab"), list(b"cd")], [0, 1],
+                        rewards, g, params)
+        assert r.texts == [tok.decode(c, skip_special_tokens=True) for c in r.rollout.completions]
+        assert r.per_func[4:, 1].min() >= 1.0 and r.per_func[:4, 1].max() <= 1.0  # each prompt's own answer
+        want = group_advantages(r.per_func, rewards.weight_tensor, 4, scale)
+        torch.testing.assert_close(r.scored.advantages, want.advantages)
+    m = round_metrics(r, rewards.names)
+    weighted = torch.nansum(r.per_func * torch.tensor([1.0, 0.5]), 1)
+    assert m["reward"] == pytest.approx(weighted.mean().item())
+    assert m["rewards/has_a/mean"] == pytest.approx(r.per_func[:, 1].mean().item())
+    assert m["rewards/odd/mean"] == pytest.approx(torch.nanmean(r.per_func[:, 0]).item())
+    lengths = [len(c) for c in r.rollout.completions]
+    assert m["completions/max_length"] == max(lengths) and m["completions/min_length"] == min(lengths)
+    assert m["completions/clipped_ratio"] == pytest.approx(sum(r.rollout.truncated) / 8)

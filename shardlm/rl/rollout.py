@@ -1,0 +1,110 @@
+"""One generation round of online RL: sample `group` completions of each prompt, decode them for the reward
+functions, score them, and turn the rewards into advantages (TRL's `_generate_and_score_completions`).
+
+Each rank holds whole groups (a prompt's completions are sampled where the prompt is), so the group statistics
+need no communication; `scale_rewards=batch` and the logged metrics take their sums (and maxima) over the ranks
+through `all_reduce(tensor, op)` (in place, op "sum" or "max"), given by the caller: the same numbers on 1 rank
+or many.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shardlm.config import GrpoConfig
+from shardlm.rl.objective import EPS, Advantages, group_advantages, rloo_advantages
+from shardlm.rl.prompts import RLPrompt, completion_for_rewards
+from shardlm.rl.rewards import RewardSet
+from shardlm.rl.sampling import Rollout, Sampler, SamplingParams
+
+AllReduce = Callable[[torch.Tensor, str], None]
+
+
+@dataclass
+class ScoredRound:
+    rollout: Rollout
+    texts: list[str]  # each completion decoded (special tokens left out), as the rewards saw it
+    per_func: torch.Tensor  # (completions, rewards), NaN where a function returned None
+    scored: Advantages
+    loss_mask: torch.Tensor  # (completions,) 0 for a truncated completion under mask_truncated_completions
+
+
+def sampling_params(g: GrpoConfig, stop: Sequence[int], seed: int) -> SamplingParams:
+    return SamplingParams(group=g.group, max_tokens=g.max_completion_length, temperature=g.temperature,
+                          top_p=g.top_p, top_k=g.top_k, stop=tuple(dict.fromkeys(stop)), seed=seed)
+
+
+def _batch_scaled(per_func: torch.Tensor, weights: torch.Tensor, group: int, all_reduce: AllReduce | None
+                  ) -> Advantages:
+    """scale_rewards=batch over every rank: the group-centred rewards divided by the std of all the rewards."""
+    centred = group_advantages(per_func, weights, group, "none")
+    rewards = centred.rewards
+    finite = rewards[~torch.isnan(rewards)].double()
+    sums = torch.stack([finite.sum(), (finite ** 2).sum(), torch.tensor(float(finite.numel()), dtype=torch.double)])
+    if all_reduce is not None:
+        all_reduce(sums, "sum")
+    total, squares, n = sums.tolist()
+    std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
+    advantages = centred.advantages / (std + EPS)
+    std_zero = torch.full_like(rewards, float(math.isclose(std, 0.0, abs_tol=1e-8))).bool()
+    return Advantages(advantages, rewards, std_zero)
+
+
+def score_round(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list[list[int]], keys: Sequence[int],
+                rewards: RewardSet, g: GrpoConfig, params: SamplingParams, objective: str = "grpo",
+                all_reduce: AllReduce | None = None) -> ScoredRound:
+    rollout = sampler.sample(prompt_ids, keys, params)
+    texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
+    owners = [prompts[i // g.group] for i in range(len(texts))]
+    fields = {k: [p.fields.get(k) for p in owners] for k in dict.fromkeys(k for p in prompts for k in p.fields)}
+    per_func = rewards.score([p.prompt for p in owners], [completion_for_rewards(t, p) for t, p in
+                                                          zip(texts, owners, strict=True)],
+                             rollout.completions, fields)
+    weights = rewards.weight_tensor
+    if objective == "rloo":
+        scored = rloo_advantages(per_func, weights, g.group, g.normalize_advantages)
+    elif g.scale_rewards == "batch":
+        scored = _batch_scaled(per_func, weights, g.group, all_reduce)
+    else:
+        scored = group_advantages(per_func, weights, g.group, g.scale_rewards)
+    truncated = torch.tensor(rollout.truncated, dtype=torch.bool)
+    loss_mask = (~truncated).float() if g.mask_truncated_completions else torch.ones(len(texts))
+    return ScoredRound(rollout, texts, per_func, scored, loss_mask)
+
+
+def round_metrics(r: ScoredRound, names: list[str], all_reduce: AllReduce | None = None) -> dict[str, float]:
+    """TRL's generation metrics of a round, over every rank: each reward's mean and std (where it applied), the
+    weighted reward's, the share of completions whose group's rewards are all equal, completion lengths (all, and
+    those that ended with a stop token) and the share cut at max_completion_length."""
+    lengths = torch.tensor([len(c) for c in r.rollout.completions], dtype=torch.double)
+    terminated = ~torch.tensor(r.rollout.truncated, dtype=torch.bool)
+    columns = [*r.per_func.double().unbind(1), r.scored.rewards.double()]
+    stats = []
+    for x in columns:
+        ok = ~torch.isnan(x)
+        stats += [x[ok].sum(), (x[ok] ** 2).sum(), ok.sum().double()]
+    stats += [lengths.sum(), torch.tensor(float(len(lengths)), dtype=torch.double), lengths[terminated].sum(),
+              terminated.sum().double(), r.scored.std_zero.double().sum()]
+    sums = torch.stack(stats)
+    extremes = torch.stack([-lengths.min(), lengths.max()]) if len(lengths) else torch.zeros(2, dtype=torch.double)
+    if all_reduce is not None:
+        all_reduce(sums, "sum")
+        all_reduce(extremes, "max")  # (-min, max)
+    out: dict[str, float] = {}
+    for j, name in enumerate([*(f"rewards/{n}" for n in names), "reward"]):
+        total, squares, n = sums[3 * j:3 * j + 3].tolist()
+        key = name if name == "reward" else f"{name}/mean"
+        out[key] = total / n if n else math.nan
+        std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else math.nan
+        out["reward_std" if name == "reward" else f"{name}/std"] = std
+    length_sum, count, term_sum, term_count, zero_std = sums[3 * len(columns):].tolist()
+    out |= {"frac_reward_zero_std": zero_std / max(count, 1), "completions/mean_length": length_sum / max(count, 1),
+            "completions/min_length": -extremes[0].item(), "completions/max_length": extremes[1].item(),
+            "completions/clipped_ratio": 1 - term_count / max(count, 1),
+            "completions/mean_terminated_length": term_sum / term_count if term_count else 0.0}
+    return out
+
