@@ -565,3 +565,17 @@ def test_a_stored_reference_truncated_or_zeroed_is_named(tmp_path):
         assert reference_problem(path).startswith(f"{path} {words}")
     path.with_name("reference-k.check.json").unlink()  # written before the record: numpy's reading checks it
     assert reference_problem(path) == f"{path} is not a whole .npy file"
+
+
+def test_a_large_file_is_summed_by_chunks_spread_over_it_first_and_last_included(tmp_path, monkeypatch):
+    from shardlm.data import integrity
+
+    monkeypatch.setattr(integrity, "CHUNKS", 4)
+    monkeypatch.setattr(integrity, "CHUNK", 16)
+    monkeypatch.setattr(integrity, "WHOLE", 64)  # 1,024 bytes: chunks at 0, 336, 672 and 1,008
+    path, data = tmp_path / "tokens.bin", bytes(range(256)) * 4
+    path.write_bytes(data)
+    whole = integrity.checksum(path)
+    for at, seen in ((0, True), (340, True), (1023, True), (300, False)):  # 300: between chunks, not read
+        path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
+        assert (integrity.checksum(path) != whole) == seen, at
