@@ -127,6 +127,29 @@ class PreferenceConfig:
 
 
 @dataclass
+class GrpoConfig:
+    group: int = 8  # objective grpo/rloo: completions per prompt (TRL's num_generations); divides train.batch_size
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])  # built-in names or module:function (rl.md)
+    reward_weights: list[float] | None = None  # one weight per reward, summed into the reward; None = 1 each
+    max_completion_length: int = 512  # new tokens per completion at most (a prompt gets data.seq_len minus this)
+    temperature: float = 1.0  # sampling temperature of the completions
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens holding this probability; 1 = off
+    top_k: int = 0  # sample among the k likeliest tokens; 0 = all
+    beta: float = 0.0  # KL to the initial model (grpo: k3 in the loss; rloo: in the reward); 0 = no reference held
+    epsilon: float = 0.2  # clip range below: ratios under 1 - epsilon stop pulling
+    epsilon_high: float | None = None  # clip range above (DAPO: 0.28); null = epsilon
+    delta: float | None = None  # two-sided clipping: a bound on the unclipped ratio (> 1 + epsilon_high); null = off
+    loss_type: str = "dapo"  # dapo (over the step's tokens) | grpo (each completion's token mean) | dr_grpo (TRL's)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO: one ratio per completion)
+    num_iterations: int = 1  # optimizer steps per generated batch (mu); > 1 reuses it with the old log-probabilities
+    scale_rewards: str = "group"  # what divides the advantages: group (its std) | batch (the batch's) | none
+    normalize_advantages: bool = False  # rloo: standardize the leave-one-out advantages over the batch
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length are left out of the loss
+    format_pattern: str | None = None  # reward `format`: a regex the whole trimmed completion must match
+    length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
+
+
+@dataclass
 class ParallelConfig:
     sharding: str = "full"  # full | grad_op | no_shard | hybrid_full | hybrid_grad
     shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
@@ -171,6 +194,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
