@@ -74,6 +74,15 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(lora_base
 
     assert type(AutoModelForCausalLM.from_pretrained(str(export(whole, tmp_path / "hf")))).__name__ == "GPT2LMHeadModel"
 
+    # shardlm eval scores that export (the adapters on the full-precision base), not the 4-bit base, and says so
+    from shardlm.inference.evaluate import evaluate_path
+
+    val = [f"data.val={corpus}", f"data.cache_dir={cache_dir}", "data.seq_len=32", "train.batch_size=8",
+           "train.eval_batches=2"]
+    got = evaluate_path(str(whole), val)
+    assert "eval scores its adapters merged into the full-precision base" in got.pop("scored")
+    assert got == pytest.approx(evaluate_path(str(tmp_path / "hf"), val), rel=1e-5)
+
 
 @pytest.mark.cuda
 def test_qlora_on_cuda_trains_and_exports(lora_bases, corpus, cache_dir, tmp_path):
