@@ -84,6 +84,7 @@ def scratch_config(cfg: Config, tokenizer):
 
 
 def pretrained_config(cfg: Config):
+    """The config of `model.name` (a folder or a hub name), or one line saying why it cannot be read."""
     from transformers import AutoConfig
 
     m = cfg.model
