@@ -43,7 +43,7 @@ def test_generation_without_validation_data(hf_folder, tmp_path):
 
 def test_eval_progress_lines_end_at_the_whole(capsys):
     """Without a terminal: a line after the first batch (an early ETA), then the last one, not a stop at 53%."""
-    from shardlm.inference.evaluate import EvalProgress
+    from shardlm.observe.progress import EvalProgress
 
     progress = EvalProgress(total=193, steps=2)
     progress.update(103)

@@ -47,55 +47,12 @@ from shardlm.inference.genquality import (
 )
 from shardlm.inference.load import inference_config, load_for_inference
 from shardlm.models import lora
-from shardlm.models.causal_lm import auto_loss_chunk
-from shardlm.models.hf_config import context_length, model_config
+from shardlm.models.causal_lm import auto_loss_chunk, context_length, model_config
 from shardlm.models.loss import IGNORE
 from shardlm.models.preference import REFERENCE_FREE
 from shardlm.observe.metrics import describe_val
-from shardlm.observe.progress import fmt_time
+from shardlm.observe.progress import EvalProgress
 from shardlm.training.validate import TokenScores, Validator, scoring_model
-
-
-class EvalProgress:
-    """Tokens scored / total, tokens/s and an ETA on stderr: a tqdm bar on a terminal; otherwise one line after
-    the first batch (an early ETA) and then every `every_s` seconds.
-
-    The lines' ETA counts batches or windows, not tokens: a stride's first window scores a whole context,
-    the others `stride` tokens each at about the same cost."""
-
-    def __init__(self, total: int, steps: int, every_s: float = 10.0):
-        self.total, self.done, self.steps, self.step, self.every_s = total, 0, steps, 0, every_s
-        self.start = time.perf_counter()
-        self.last: float | None = None
-        self.shown = 0  # tokens done at the last line printed
-        self.bar = None
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="tok", unit_scale=True, desc="eval", file=sys.stderr)
-
-    def update(self, tokens: int) -> None:
-        self.done, self.step = self.done + tokens, self.step + 1
-        if self.bar is not None:
-            self.bar.update(tokens)
-            return
-        now = time.perf_counter()
-        if self.last is None or now - self.last >= self.every_s:
-            self.last, self.shown = now, self.done
-            print(self.line(now), file=sys.stderr, flush=True)
-
-    def line(self, now: float) -> str:
-        elapsed = now - self.start
-        rate, eta = self.done / max(elapsed, 1e-9), fmt_time(elapsed / self.step * (self.steps - self.step))
-        return (f"eval {self.done:,}/{self.total:,} tokens ({100 * self.done / max(self.total, 1):.1f}%)  "
-                f"{rate:,.0f} tok/s  ETA {eta}")
-
-    def close(self) -> None:
-        """A bar closes; lines end with the last one, so the log does not stop at the first batch's share."""
-        if self.bar is not None:
-            self.bar.close()
-        elif self.last is not None and self.shown < self.done:
-            print(self.line(time.perf_counter()), file=sys.stderr, flush=True)
 
 
 def evaluate_blocks(model, blocks: Blocks, batch: int, max_batches: int, chunk: int) -> dict:
