@@ -579,3 +579,26 @@ def test_a_large_file_is_summed_by_chunks_spread_over_it_first_and_last_included
     for at, seen in ((0, True), (340, True), (1023, True), (300, False)):  # 300: between chunks, not read
         path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1:])
         assert (integrity.checksum(path) != whole) == seen, at
+
+
+def test_counts_are_said_in_the_datas_own_units(tmp_path):
+    """A pairs file too small for a batch is counted in pairs and rows, not 'blocks of 128 tokens'; one pair is
+    'pair'."""
+    from shardlm.config import DataConfig
+    from shardlm.data import ExampleRows, TokenBlocks
+    from shardlm.data.blocks import counted
+    from shardlm.data.examples import build_examples, load_examples
+    from shardlm.observe.metrics import describe_val
+
+    rows = [{"prompt": f"say {i}", "chosen": f" {i}", "rejected": f" {i + 1}"} for i in range(3)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    logs: list[str] = []
+    pairs = load_examples(build_examples(resolve(str(tmp_path / "pairs.jsonl")), byte_tokenizer(), DataConfig(),
+                                         tmp_path / "cache", log=logs.append))
+    assert logs[-1].startswith("rendered 3 pairs (6 sequences) into "), logs
+    split = ExampleRows(pairs, 128, 0, None, False, "truncate", "pairs.jsonl")
+    assert counted(split, len(split), 128) == "3 pairs in 3 rows of up to 128 tokens"
+    assert counted(TokenBlocks(np.zeros(300, dtype=np.uint16), 128), 2, 128) == "2 blocks of 128 tokens"
+    one = {"loss": 0.69, "rewards/accuracy": 1.0, "rewards/margin": 0.1, "rewards/chosen": 0.1,
+           "rewards/rejected": 0.0, "pairs": 1, "tokens": 9}
+    assert "on 1 pair, all 9 held-out tokens" in describe_val(one, 9, 0)

@@ -117,6 +117,17 @@ class GlobalSampler:
         return out
 
 
+def counted(blocks, count: int, seq_len: int) -> str:
+    """`count` batch rows of `blocks` in the user's units: text's blocks of seq_len tokens, or rows of examples or
+    preference pairs with how many they hold (a pairs file too small for a batch said "blocks of 128 tokens")."""
+    group = getattr(blocks, "group", None)
+    if group is None:
+        return f"{count:,} block{'s' * (count != 1)} of {seq_len} tokens"
+    what = "pair" if group == 2 else "example"
+    units = int(blocks.row_units.sum())
+    return f"{units:,} {what}{'s' * (units != 1)} in {count:,} row{'s' * (count != 1)} of up to {seq_len} tokens"
+
+
 def micro_batch_position(step_position: int, micro_step: int, rank: int, world: int, batch: int) -> int:
     return step_position + (micro_step * world + rank) * batch
 

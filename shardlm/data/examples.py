@@ -189,9 +189,16 @@ def build_examples(source: Source, tok, cfg: DataConfig, root: Path, log: Callab
         if meta["skipped"]:
             log(f"warning: skipped {meta['skipped']:,} bad example{'s' if meta['skipped'] != 1 else ''} "
                 f"(data.on_bad_example=skip); the first: {meta['first_skipped'][0]}")
-        log(f"rendered {meta['examples']:,} examples into {meta['num_tokens']:,} tokens ({meta['targets']:,} "
-            f"targets) in {meta['seconds']:.1f}s")
+        log(f"rendered {count_words(meta)} into {meta['num_tokens']:,} tokens ({meta['targets']:,} targets) in "
+            f"{meta['seconds']:.1f}s")
     return folder
+
+
+def count_words(meta: dict) -> str:
+    """What an example cache holds, in words: examples, or preference pairs (each two sequences)."""
+    if "pairs" in meta:
+        return f"{meta['pairs']:,} pair{'s' * (meta['pairs'] != 1)} ({meta['examples']:,} sequences)"
+    return f"{meta['examples']:,} example{'s' * (meta['examples'] != 1)}"
 
 
 def load_examples(folder: Path) -> ExampleSet:

@@ -29,7 +29,7 @@ class Prepared:
     text_bytes: int | None  # None for a cache built by an older shardlm
     seconds: float
     cached: bool  # built earlier (by another run, or another rank while this one waited)
-    unit: str = "document"  # or "example" (an example cache)
+    unit: str = "document"  # or an example cache's: "example", "pair"
 
     def line(self) -> str:
         mb = f"{self.text_bytes / 1e6:,.1f} MB" if self.text_bytes is not None else "? MB"
@@ -71,9 +71,10 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
                                  log=tee)
         meta = json.loads((folder / "meta.json").read_text())
         built_here = any(m.startswith(("tokenizing", "rendering")) for m in logs)
-        done.append(Prepared(name, spec, folder, meta.get("documents", meta.get("examples", 0)), meta["num_tokens"],
+        unit = "pair" if "pairs" in meta else "example" if "examples" in meta else "document"
+        done.append(Prepared(name, spec, folder, meta.get(f"{unit}s", 0), meta["num_tokens"],
                              meta.get("text_bytes"), meta.get("seconds", time.time() - start) if built_here else 0.0,
-                             not built_here, "example" if "examples" in meta else "document"))
+                             not built_here, unit))
     return done
 
 

@@ -48,7 +48,8 @@ def describe_val(result: dict, held_out: int | None, eval_batches: int | None) -
         return f"loss {result['loss']:.4f} ppl {result['ppl']:.2f} accuracy {result['accuracy']:.3f} {scope}"
     return (f"loss {result['loss']:.4f} rewards/accuracy {result['rewards/accuracy']:.3f} rewards/margin "
             f"{result['rewards/margin']:.4f} (chosen {result['rewards/chosen']:.4f}, rejected "
-            f"{result['rewards/rejected']:.4f}) on {result['pairs']:,} pairs, {scope.removeprefix('on ')}")
+            f"{result['rewards/rejected']:.4f}) on {result['pairs']:,} pair{'s' * (result['pairs'] != 1)}, "
+            f"{scope.removeprefix('on ')}")
 
 
 def _step_of(line: str) -> int | None:

@@ -327,8 +327,8 @@ def _reference_values(source: ReferenceSource, key: str, splits: list[ExampleRow
         raise ShardlmError(f"the reference log-probabilities of this run ({name}) {why}. The reference is the model "
                            "this run started from; start over with checkpoint.resume=none (or a new out_dir).")
     n = sum(len(rows.ids) for rows in missing)
-    dist.print(f"reference: scoring the {n:,} pairs of {examples.meta['source']} with the initial model (once; "
-               "stored beside the example cache)")
+    dist.print(f"reference: scoring the {n:,} pair{'s' * (n != 1)} of {examples.meta['source']} with the initial "
+               "model (once; stored beside the example cache)")
     for rows in missing:
         values[rows.ids] = score_all(source.model, rows, dist, source.batch, source.autocast)[rows.ids]
     if path is not None and dist.is_main:
