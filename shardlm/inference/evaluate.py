@@ -47,7 +47,8 @@ from shardlm.inference.genquality import (
 )
 from shardlm.inference.load import inference_config, load_for_inference
 from shardlm.models import lora
-from shardlm.models.causal_lm import auto_loss_chunk, context_length, model_config
+from shardlm.models.causal_lm import auto_loss_chunk
+from shardlm.models.hf_config import context_length, model_config
 from shardlm.models.loss import IGNORE
 from shardlm.models.preference import REFERENCE_FREE
 from shardlm.observe.metrics import describe_val
