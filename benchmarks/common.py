@@ -21,14 +21,13 @@ DATA_HELP = ("training text (default: ../shared/data/wikitext-2/train.txt where 
 SIZES = {"124M": (12, 12, 768), "350M": (24, 16, 1024), "774M": (36, 20, 1280), "1558M": (48, 25, 1600)}
 
 
-# ChatML whose last assistant answer ends at <|im_end|>, every other turn as ChatML renders it: a pair's answers
-# then end where shardlm scores them on any template (docs/preference.md, "What a pair scores"), for a peer that
-# scores the text after the prompt's rendering (TRL) as well
-CHATML_ANSWER_END = ("{%- for message in messages -%}{{ '<|im_start|>' + message['role'] + '\n' + "
-                     "message['content'] + '<|im_end|>' }}"
-                     "{%- if not (loop.last and message['role'] == 'assistant') -%}{{ '\n' }}"
-                     "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
-                     "{%- endif -%}")
+def standard_template() -> str:
+    """The chat template of the comparisons with TRL (benchmarks/sft.py, preference.py): Qwen2.5's own, ChatML with
+    a default system message, with the `{% generation %}` markers TRL adds to it (trl/chat_templates, as TRL ships
+    it): a stock template and TRL's own defaults, not one shaped to agree."""
+    import importlib.resources
+
+    return (importlib.resources.files("trl") / "chat_templates" / "qwen2_5_training.jinja").read_text()
 
 
 def cpu_name() -> str:

@@ -4,9 +4,10 @@
     python benchmarks/preference.py --steps 60 --batch 2 --keep /tmp/dpo-bench
 
 Setup: the random-weight Qwen2 of benchmarks/sft.py (hidden 256, 4 layers, 4 heads, `initializer_range=0.3`), the
-GPT-2 tokenizer plus ChatML's `<|im_start|>`/`<|im_end|>`, and ChatML with the last answer ending at `<|im_end|>`
-(common.CHATML_ANSWER_END: TRL would also score ChatML's newline after it, shardlm does not; both then score the
-same tokens).
+GPT-2 tokenizer plus ChatML's `<|im_start|>`/`<|im_end|>`, and sft.py's standard template (Qwen2.5's, with TRL's
+generation markers: common.standard_template). TRL scores everything after the prompt's rendering, `<|im_end|>` and
+the newline after it included; shardlm scores what instruction tuning trains on the same conversation, which
+under its default (`data.answer_end=template`) is the same tokens.
 Data: conversational pairs made in the temporary folder from shardlm/assets/chat_tasks train.jsonl / val.jsonl:
 `prompt` = the messages before the last assistant turn, `chosen` = [that turn], `rejected` = [a plausible wrong
 answer] (digits: one digit off by one; letters: two different characters swapped, or one letter shifted;
@@ -57,7 +58,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from common import CHATML_ANSWER_END, ROOT, cpu_name, example_run_overrides, tail
+from common import ROOT, cpu_name, example_run_overrides, standard_template, tail
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks"
 GPT2 = ROOT / "shardlm" / "assets" / "gpt2-tokenizer"
@@ -73,7 +74,7 @@ def now() -> tuple[float, float]:
 
 
 def make_model(folder: Path, s: dict) -> None:
-    """The tiny Qwen2 and its tokenizer (ChatML special tokens, the ChatML template) saved in `folder`
+    """The tiny Qwen2 and its tokenizer (ChatML special tokens, the standard template) saved in `folder`
     (benchmarks/sft.py's)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -82,7 +83,7 @@ def make_model(folder: Path, s: dict) -> None:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.eos_token = "<|im_end|>"
     tok.pad_token = "<|endoftext|>"
-    tok.chat_template = CHATML_ANSWER_END  # TRL would score ChatML's newline after the last <|im_end|> too
+    tok.chat_template = standard_template()
     m = s["model"]
     config = Qwen2Config(vocab_size=len(tok), hidden_size=m["hidden"], num_hidden_layers=m["layers"],
                          num_attention_heads=m["heads"], num_key_value_heads=m["heads"],
@@ -448,7 +449,8 @@ def main() -> None:
         "command": " ".join(["python", "benchmarks/preference.py", *sys.argv[1:]]), "settings": s,
         "data": {"train": "pairs from shardlm/assets/chat_tasks/train.jsonl", "val": "... val.jsonl",
                  "pairs": counts,
-                 "chat_template": "ChatML, the last answer ending at <|im_end|> (common.CHATML_ANSWER_END)",
+                 "chat_template": "Qwen2.5's with TRL's generation markers (trl/chat_templates/"
+                                  "qwen2_5_training.jinja), both sides",
                  "rejected": "digit off by one / two characters swapped / a letter shifted, random.Random(0)"},
         "val_before_training": {"shardlm": ours_eval, "trl": theirs_eval, "loss_abs_diff": loss_diff,
                                 "loss_agree_1e-4": loss_diff <= 1e-4, "mean_chosen_logp_abs_diff": logp_diff},

@@ -1,17 +1,19 @@
 """shardlm vs TRL's SFTTrainer on chat examples: the same model, data, chat template, answers-only loss and packing.
 
-    python benchmarks/sft.py                         # CPU: tiny Qwen2 (4 x 256), seq 256, 4 rows a step, 30 steps
+    python benchmarks/sft.py --threads 1             # CPU: tiny Qwen2 (4 x 256), seq 256, 4 rows a step, 30 steps
     python benchmarks/sft.py --steps 60 --seq 512 --batch 2 --keep /tmp/sft-bench
 
 Setup: a random-weight Qwen2 (hidden 256, 4 layers, 4 heads, `initializer_range=0.3` so that a wrong mask shows
 in the loss) saved with the GPT-2 tokenizer plus ChatML's `<|im_start|>`/`<|im_end|>` (EOS `<|im_end|>`, pad
-`<|endoftext|>`) and the ChatML template of tests/data/chat_templates. Data: shardlm/assets/chat_tasks
+`<|endoftext|>`) and a standard template: Qwen2.5's (ChatML with a default system message) with the
+`{% generation %}` markers TRL ships for it (common.standard_template: its blocks hold the line break after
+`<|im_start|>assistant`, the answer, `<|im_end|>` and the newline after it). Data: shardlm/assets/chat_tasks
 train.jsonl / val.jsonl (`{"messages": [...]}`).
 
-- shardlm: `model.name=FOLDER` (its tokenizer and template), `data.packing=true`, `data.train_on_prompt=false`.
-- TRL: `SFTTrainer` with `assistant_only_loss=True`, `packing=True` (default BFD strategy, so padding-free), the
-  same ChatML template with `{% generation %}` around each answer and its `<|im_end|>` (not the newline after it,
-  which shardlm leaves out too): the rendered text and so the ids are the same.
+- shardlm: `model.name=FOLDER` (its tokenizer and template), `data.packing=true`, its defaults otherwise
+  (answers-only loss, `data.answer_end=template`: the template's generation blocks are the targets).
+- TRL: `SFTTrainer` on the same folder with `assistant_only_loss=True` and `packing=True` (default BFD strategy,
+  so padding-free), its defaults otherwise: transformers' `return_assistant_tokens_mask` of the same template.
 
 Four child processes, one at a time, so each peak RSS (`ru_maxrss`) is its own:
 1. `--side X --mode eval` (both): the validation loss of the untrained model, the mean over every target token
@@ -43,17 +45,10 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from common import ROOT, cpu_name, example_run_overrides, tail
+from common import ROOT, cpu_name, example_run_overrides, standard_template, tail
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks"
-CHATML = ROOT / "tests" / "data" / "chat_templates" / "chatml.jinja"
 GPT2 = ROOT / "shardlm" / "assets" / "gpt2-tokenizer"
-# ChatML with TRL's generation markers: the answer and its <|im_end|> are the assistant's tokens, the newline is not
-GENERATION_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
-                     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-                     "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] + '<|im_end|>' + '\\n' }}"
-                     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-                     "{% endif %}")
 
 
 def peak_rss_gb() -> float:
@@ -61,7 +56,7 @@ def peak_rss_gb() -> float:
 
 
 def make_model(folder: Path, s: dict) -> None:
-    """The tiny Qwen2 and its tokenizer (ChatML special tokens, the ChatML template) saved in `folder`."""
+    """The tiny Qwen2 and its tokenizer (ChatML special tokens, the standard template) saved in `folder`."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -69,7 +64,7 @@ def make_model(folder: Path, s: dict) -> None:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.eos_token = "<|im_end|>"
     tok.pad_token = "<|endoftext|>"
-    tok.chat_template = CHATML.read_text()
+    tok.chat_template = standard_template()
     m = s["model"]
     config = Qwen2Config(vocab_size=len(tok), hidden_size=m["hidden"], num_hidden_layers=m["layers"],
                          num_attention_heads=m["heads"], num_key_value_heads=m["heads"],
@@ -88,7 +83,7 @@ def shardlm_trainer(s: dict, folder: Path, work: Path, steps: int):
 
     overrides = example_run_overrides(s, folder, work, steps, [
         f"data.train={DATA / 'train.jsonl'}", f"data.val={DATA / 'val.jsonl'}", "data.format=auto",
-        "data.packing=true", "data.train_on_prompt=false"])
+        "data.packing=true"])
     return Trainer.from_config(load_config(None, overrides))
 
 
@@ -153,8 +148,7 @@ def trl_trainer(s: dict, folder: Path, work: Path, steps: int, callbacks=(), cou
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = GENERATION_CHATML  # renders the same text as the folder's ChatML, with the answer marked
+    tok = AutoTokenizer.from_pretrained(folder)  # the folder's template, generation markers included
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     data = load_dataset("json", data_files={"train": str(DATA / "train.jsonl"), "val": str(DATA / "val.jsonl")},
                         cache_dir=str(work / "hf-datasets"))
@@ -264,8 +258,9 @@ def compare_examples(work: Path) -> dict:
 def launch(side: str, mode: str, args, work: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--mode", mode, "--work", str(work),
            *[x for k, v in vars(args).items() if k in FLAGS for x in (f"--{k.replace('_', '-')}", str(v))]]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "SHARDLM_CACHE": str(work / "shardlm-cache")}
+    threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+    env = {**os.environ, **threads, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "SHARDLM_CACHE": str(work / "shardlm-cache")}
     began = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -275,22 +270,24 @@ def launch(side: str, mode: str, args, work: Path) -> dict:
     return rows[0]
 
 
-FLAGS = ("steps", "warmup", "batch", "seq", "lr", "lr_warmup", "seed", "hidden", "layers", "heads", "intermediate")
+FLAGS = ("steps", "warmup", "batch", "seq", "lr", "lr_warmup", "seed", "hidden", "layers", "heads", "intermediate",
+         "threads")
 
 
 def settings(args) -> dict:
     return {"model": {"family": "qwen2", "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
                       "intermediate": args.intermediate, "initializer_range": 0.3, "tied_embeddings": True},
             "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup, "lr": args.lr,
-            "lr_warmup": args.lr_warmup, "seed": args.seed, "precision": "fp32", "attention": "sdpa"}
+            "lr_warmup": args.lr_warmup, "seed": args.seed, "threads": args.threads, "precision": "fp32",
+            "attention": "sdpa"}
 
 
-def machine() -> dict:
+def machine(threads: int) -> dict:
     import torch
     import transformers
     import trl
 
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads or torch.get_num_threads(),
             "load_average_1m_at_end": os.getloadavg()[0], "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version()}
 
@@ -312,6 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--intermediate", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads in every child (0: torch's default, one per core); 1 gives per-core rates that "
+                        "a busy machine disturbs least")
     return p.parse_args(argv)
 
 
@@ -320,6 +320,10 @@ def main() -> None:
     s = settings(args)
     if args.side:
         work = Path(args.work)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         run = {("shardlm", "eval"): shardlm_eval, ("shardlm", "train"): shardlm_train,
                ("trl", "eval"): trl_eval, ("trl", "train"): trl_train}[args.side, args.mode]
         print("RESULT " + json.dumps(run(s, work / "model", work)), flush=True)
@@ -337,10 +341,11 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     diff = abs(ours_eval["val_loss"] - theirs_eval["val_loss"])
     print(json.dumps({
-        "benchmark": "sft", "date": datetime.date.today().isoformat(), "machine": machine(),
+        "benchmark": "sft", "date": datetime.date.today().isoformat(), "machine": machine(args.threads),
         "command": " ".join(["python", "benchmarks/sft.py", *sys.argv[1:]]), "settings": s,
         "data": {"train": "shardlm/assets/chat_tasks/train.jsonl", "val": "shardlm/assets/chat_tasks/val.jsonl",
-                 "chat_template": "tests/data/chat_templates/chatml.jinja (TRL: the same with {% generation %})"},
+                 "chat_template": "Qwen2.5's with TRL's generation markers (trl/chat_templates/"
+                                  "qwen2_5_training.jinja), both sides"},
         "val_before_training": {"shardlm": ours_eval, "trl": theirs_eval, "abs_diff": diff, "agree_1e-4": diff <= 1e-4,
                                 "targets_equal": ours_eval["val_targets"] == theirs_eval["val_targets"],
                                 "examples": examples},
