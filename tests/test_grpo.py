@@ -524,7 +524,7 @@ def test_a_scored_round():
     rewards = RewardSet([odd, has_a], [1.0, 0.5])
     for scale in ("group", "batch"):
         g = GrpoConfig(group=4, max_completion_length=5, scale_rewards=scale, top_k=8)
-        params = sampling_params(g, [256], seed=1)
+        params = sampling_params(g, [256, *range(0, 256, 3)], seed=1)  # a third of the bytes stop: lengths vary
         r = score_round(TransformersSampler(model, pad=256), tok, prompts, [list(b"ab"), list(b"cd")], [0, 1],
                         rewards, g, params)
         assert r.texts == [tok.decode(c, skip_special_tokens=True) for c in r.rollout.completions]
@@ -539,3 +539,10 @@ def test_a_scored_round():
     lengths = [len(c) for c in r.rollout.completions]
     assert m["completions/max_length"] == max(lengths) and m["completions/min_length"] == min(lengths)
     assert m["completions/clipped_ratio"] == pytest.approx(sum(r.rollout.truncated) / 8)
+    assert 0 < sum(r.rollout.truncated) < 8  # some completions stop, others are cut
+    masked = score_round(TransformersSampler(model, pad=256), tok, prompts, [list(b"ab"), list(b"cd")], [0, 1],
+                         rewards, GrpoConfig(group=4, max_completion_length=5, mask_truncated_completions=True),
+                         params)
+    kept = masked.batch(pad=256)["completion_mask"].sum(1)
+    assert kept.tolist() == [0 if cut else len(c) for c, cut in zip(r.rollout.completions, r.rollout.truncated,
+                                                                      strict=True)]

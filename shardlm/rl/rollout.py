@@ -32,6 +32,12 @@ class ScoredRound:
     scored: Advantages
     loss_mask: torch.Tensor  # (completions,) 0 for a truncated completion under mask_truncated_completions
 
+    def batch(self, pad: int) -> dict[str, torch.Tensor]:
+        """The rollout on TRL's padded layout, `completion_mask` zero for the completions the loss leaves out."""
+        out = self.rollout.padded(pad)
+        out["completion_mask"] = out["completion_mask"] * self.loss_mask.to(out["completion_mask"].dtype)[:, None]
+        return out
+
 
 def sampling_params(g: GrpoConfig, stop: Sequence[int], seed: int) -> SamplingParams:
     return SamplingParams(group=g.group, max_tokens=g.max_completion_length, temperature=g.temperature,
