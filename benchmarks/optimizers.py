@@ -53,7 +53,7 @@ def steps_to(curve: list[tuple[int, float]], target: float) -> float | None:
 def train_one(a: argparse.Namespace, name: str) -> dict:
     """One run in-process: its validation curve from metrics.jsonl and its optimizer's state bytes."""
     from shardlm.config import load_config
-    from shardlm.training.optimizers import state_bytes
+    from shardlm.training.optim.optimizers import state_bytes
     from shardlm.training.trainer import Trainer
 
     out = Path(a.work) / name

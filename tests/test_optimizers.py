@@ -13,7 +13,7 @@ import torch
 from helpers import by_step, records, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
-from shardlm.training import optimizers
+from shardlm.training.optim import optimizers
 from shardlm.training.schedule import (
     InverseSqrt,
     WarmupConstant,
@@ -93,18 +93,62 @@ def test_muon_groups_header_and_lora(corpus, cache_dir, tmp_path, keep_signal_ha
     assert [(g.label, g.tensors, g.lr) for g in groups] == [
         ("muon: block matrices", 8, 0.02), ("adamw: embeddings, head", 2, 3e-3), ("adamw: norms, biases", 18, 3e-3)]
     assert sum(g.params for g in groups) == trainer.n_params
-    line = describe_optimizer(trainer.run)
+    line, update = describe_optimizer(trainer.run).split("\n")
     assert line.startswith("optimizer: muon (muon: block matrices: 8 tensors, 24.6K parameters, lr 0.02; ") and \
         line.endswith("schedule: cosine to 0.1 x lr at step 2, 2 warmup steps")
+    assert update == "update: synchronous clip-and-skip (Muon takes no clip factor or non-finite flag)"
 
     folders, _ = lora_bases
-    lora = train_here(tiny(corpus, cache_dir, tmp_path / "lora", **{
-        "model.name": folders["gpt2"], "lora.r": 4, "lora.alpha": 8, "train.optimizer": "muon", "train.max_steps": 4}))
+
+    def lora_args(out, **extra):
+        return tiny(corpus, cache_dir, out, **{"model.name": folders["gpt2"], "lora.r": 4, "lora.alpha": 8,
+                                               "train.optimizer": "muon", "train.max_steps": 4, "checkpoint.every": 2,
+                                               **extra})
+
+    lora = train_here(lora_args(tmp_path / "lora"))
     muon = lora.run.optimizer.param_groups[0]
     adapters = [p for n, p in lora.run.model.named_parameters() if "lora_" in n]
     assert muon["use_muon"] and {id(p) for p in muon["params"]} == {id(p) for p in adapters} and adapters
     losses = by_step(tmp_path / "lora")
     assert losses[4] < losses[1]
+    # the frozen embeddings, norms and biases left two groups empty, which DCP could not load
+    train_here(lora_args(tmp_path / "lora_resumed", **{"checkpoint.resume": _ckpt(tmp_path / "lora", 2)}))
+    assert by_step(tmp_path / "lora_resumed") == {3: losses[3], 4: losses[4]}
+
+
+def test_a_resume_runs_this_devices_implementation(corpus, cache_dir, tmp_path, keep_signal_handlers, monkeypatch):
+    """A checkpoint's optimizer groups name the writer's implementation: an XLA run's (foreach) resumed on a CPU
+    must run the CPU's fused kernel, whose sync-free step takes the clip factor (torch 2.9's foreach asserts on
+    it), and continue with the writer's losses; the header says which update runs."""
+    from shardlm.training.build import describe_optimizer
+    from shardlm.training.optim import adamw
+
+    def args(out, **extra):
+        return tiny(corpus, cache_dir, out, **{"train.max_steps": 6, "checkpoint.every": 3, "train.grad_clip": 0.05,
+                                               **extra})
+
+    monkeypatch.setattr(optimizers, "fused_on", lambda device: False)  # the writer runs foreach, as on XLA
+    writer = train_here(args(tmp_path / "writer"))
+    assert writer.run.optimizer.param_groups[0]["foreach"]
+    monkeypatch.undo()
+    resumed = train_here(args(tmp_path / "resumed", **{"checkpoint.resume": _ckpt(tmp_path / "writer", 3)}))
+    group = resumed.run.optimizer.param_groups[0]
+    assert group["fused"] and not group["foreach"] and resumed.sync_free
+    assert describe_optimizer(resumed.run).endswith(
+        f"update: sync-free clip-and-skip in the optimizer (fused AdamW on cpu with torch {torch.__version__} takes "
+        "the clip factor; the norm is read a step late)")
+    written = by_step(tmp_path / "writer")
+    assert by_step(tmp_path / "resumed") == pytest.approx({s: written[s] for s in (4, 5, 6)}, rel=1e-5)
+
+    p = torch.nn.Parameter(torch.ones(2))  # the probe's answer is what torch does with the tensors
+    p.grad = torch.ones(2)
+    opt = torch.optim.AdamW([p], foreach=True)
+    opt.grad_scale, opt.found_inf = torch.ones(()), torch.zeros(())  # type: ignore[attr-defined]
+    try:
+        opt.step()
+    except AssertionError:  # torch 2.9-2.13's foreach kernel refuses them
+        assert not adamw._probe("cpu", "foreach")
+    assert adamw._probe("cpu", "fused")
 
 
 def test_muon_and_adafactor_equal_torchs_own():

@@ -1,4 +1,4 @@
-"""The sync-free optimizer step (train.sync_free_step, shardlm.training.update) gives the synchronous step's
+"""The sync-free optimizer step (train.sync_free_step, shardlm.training.optim.update) gives the synchronous step's
 numbers: losses, learning rates, skipped steps and the stop after train.max_bad_steps."""
 
 import pytest

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from shardlm.distributed.shards import local_shard
+
 # Dense (no sparsity) bf16 peak FLOP/s per GPU from NVIDIA's datasheets; fp16 for T4/V100, which have no
 # bf16. Matched in order by substring of torch.cuda.get_device_name(), so specific names come first.
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
@@ -55,17 +57,13 @@ def gpu_utilization(device: torch.device) -> dict[str, float]:
 
 # ---- memory: the peak of one training step (shardlm tune, the estimate's tests, the benchmarks) -------------
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes held between steps on this rank: parameter shards, buffers and optimizer state."""
     storages: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
-        local = _local(t)
+        local = local_shard(t)
         if local.device.type != "meta":
             storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
     return sum(storages.values())

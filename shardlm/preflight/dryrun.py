@@ -143,7 +143,7 @@ def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None, l
     exact: list[bool] = []
     train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
     steps = count_steps(cfg, train, world)
-    from shardlm.training import optimizers
+    from shardlm.training.optim import optimizers
     from shardlm.training.schedule import check_schedule
 
     optimizers.check_optimizer(cfg)  # what the run would refuse before its first step

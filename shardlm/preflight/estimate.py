@@ -24,7 +24,7 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
 from shardlm.models.instantiate import empty_model
-from shardlm.training.optimizers import state_bytes_estimate
+from shardlm.training.optim.optimizers import state_bytes_estimate
 
 GB = 2**30
 # bitsandbytes NF4 with double quantization: 4 bits a weight, an 8-bit scale per block of 64 weights and an fp32

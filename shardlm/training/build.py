@@ -23,7 +23,7 @@ from shardlm.models.hf_config import check_packing, model_config
 from shardlm.models.instantiate import empty_model, initial_model
 from shardlm.models.state_keys import from_hf, hf_name, is_hf
 from shardlm.tokenizer import model_tokenizer
-from shardlm.training import optimizers
+from shardlm.training.optim import optimizers
 from shardlm.training.preference import check_objective
 from shardlm.training.schedule import Schedule, check_schedule, make_schedule
 
@@ -123,7 +123,7 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
 
 
 def build_optimizer(model: nn.Module, cfg: Config, total_steps: int):
-    """The optimizer of train.optimizer (shardlm.training.optimizers) and the LambdaLR of train.schedule over
+    """The optimizer of train.optimizer (shardlm.training.optim) and the LambdaLR of train.schedule over
     `total_steps`. AdamW, the default, is the fused torch AdamW on the local shards, as it always was."""
     optimizer = optimizers.build_optimizer(model, cfg)
     schedule = make_schedule(cfg.train, total_steps, optimizers.optimizer_name(cfg.train.optimizer))

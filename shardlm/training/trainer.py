@@ -28,13 +28,15 @@ from shardlm.config import Config
 from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.distributed import xla
-from shardlm.distributed.parallelize import clip_grad_norm, grad_norm, set_gradient_sync
+from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.fp8 import after_optimizer_step
 from shardlm.observe.hardware import peak_flops
 from shardlm.training import reporting
 from shardlm.training.build import Run, build, build_model
+from shardlm.training.optim.optimizers import update_plan
+from shardlm.training.optim.update import LateRead, clip_grad_norm, fused_clip_step, grad_norm
 from shardlm.training.preference import (
     STATS,
     PairScores,
@@ -44,7 +46,6 @@ from shardlm.training.preference import (
     pair_rows,
 )
 from shardlm.training.schedule import ScheduleState
-from shardlm.training.update import LateRead, fused_clip_step, supports_sync_free
 from shardlm.training.validate import TokenScores, Validator
 
 
@@ -76,10 +77,9 @@ class Trainer:
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
         self.preference = Preference(self.cfg, self.device, build_model) if t.objective != "sft" else None
         self.validator = Validator(self.dist, self.batch, t.eval_batches, self.autocast, self._batch)
-        # The step's gradient norm is read on the host one step late (training.update); CPU offload reads it
-        # on the host anyway, and fp16's GradScaler owns grad_scale / found_inf.
-        self.sync_free = (t.sync_free_step and self.scaler is None and not self.cfg.parallel.cpu_offload
-                          and supports_sync_free(run.optimizer))
+        # The step's gradient norm is read on the host one step late where the optimizer takes the clip factor
+        # (training.optim.update decides, and the run header says which)
+        self.sync_free = update_plan(run.optimizer).sync_free
         self._pending: tuple[LateRead, StepResult, int] | None = None  # a step whose norm the host has not read
         self.checkpointer = Checkpointer(
             run.cfg, run.dist, checkpoints_dir(run.out_dir), stateful_parts(run, self), hf_config=run.hf_config,

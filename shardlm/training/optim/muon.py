@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from shardlm.training.shard_tensors import _comm_device, _local, _rows, _shard_group, _shard_ranks, step_groups
+from shardlm.distributed.shards import comm_device, local_shard, row_split, shard_group, shard_ranks
+from shardlm.training.optim.adamw import adamw_on_shards
+from shardlm.training.optim.base import step_groups
 
 
 def newton_schulz(g: torch.Tensor, coefficients: tuple[float, float, float], steps: int, dtype: torch.dtype,
@@ -52,13 +54,11 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[dict[str, Any]], *, lr: float, betas: tuple[float, float],
                  weight_decay: float, momentum: float, adjust_lr: str, nesterov: bool = True, ns_steps: int = 5,
-                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-8,
-                 fused: bool = False):
+                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315), eps: float = 1e-8):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "momentum": momentum,
                     "nesterov": nesterov, "ns_steps": ns_steps, "ns_coefficients": ns_coefficients,
                     "adjust_lr": adjust_lr, "use_muon": False}
         super().__init__(params, defaults)
-        self.fused = fused
         self.ns_dtype: torch.dtype | None = None  # None: bf16 on CUDA (as torch.optim.Muon), fp32 elsewhere
         self.configured = [{k: g[k] for k in defaults if k not in ("lr", "betas", "eps", "weight_decay")}
                            for g in self.param_groups]
@@ -76,21 +76,7 @@ class Muon(torch.optim.Optimizer):
 
     def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """torch's AdamW (fused on CPU and CUDA) on the local shards, its state kept as DTensors like the params."""
-        from torch.optim.adamw import adamw
-
-        states = [self.state[p] for p in params]
-        for p, s in zip(params, states, strict=True):
-            if not s:
-                s["step"] = torch.tensor(0.0, dtype=torch.float32, device=_local(p).device) if self.fused \
-                    else torch.tensor(0.0, dtype=torch.float32)
-                s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        beta1, beta2 = group["betas"]
-        adamw([_local(p) for p in params], [_local(p.grad) for p in params],  # type: ignore[arg-type]
-              [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
-              [s["step"] for s in states], foreach=None if self.fused else True, fused=self.fused or None,
-              amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-              eps=group["eps"], maximize=False, has_complex=False)
+        adamw_on_shards(params, [self.state[p] for p in params], group)
 
     def _muon(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         momentum, nesterov = group["momentum"], group["nesterov"]
@@ -100,13 +86,13 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             assert p.grad is not None
-            grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+            grad, buf = local_shard(p.grad), local_shard(state["momentum_buffer"])
             buf.lerp_(grad, 1 - momentum)
             updates.append(grad.lerp(buf, momentum) if nesterov else buf)
         ortho = self._orthogonalize(params, updates, group)
         lr, decay = group["lr"], group["weight_decay"]
         for p, o in zip(params, ortho, strict=True):
-            local = _local(p)
+            local = local_shard(p)
             local.mul_(1 - lr * decay)
             local.add_(o, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
 
@@ -121,7 +107,7 @@ class Muon(torch.optim.Optimizer):
         out: list[torch.Tensor | None] = [None] * len(params)
         sharded: dict[Any, list[int]] = {}
         for i, p in enumerate(params):
-            pg = _shard_group(p)
+            pg = shard_group(p)
             if pg is None:
                 out[i] = newton_schulz(updates[i], dtype=self._dtype(updates[i].device), **ns)
             else:
@@ -139,9 +125,9 @@ class Muon(torch.optim.Optimizer):
         ranks, me = dist.get_world_size(pg), dist.get_rank(pg)
         shapes = [tuple(p.shape) for p in params]
         owner = owners(shapes, ranks)
-        rows = [_rows(s[0], ranks) for s in shapes]
+        rows = [row_split(s[0], ranks) for s in shapes]
         home = updates[0].device
-        device = _comm_device(params[0], home)  # with CPU offload the shards are on the CPU, NCCL's buffers not
+        device = comm_device(params[0], home)  # with CPU offload the shards are on the CPU, NCCL's buffers not
         dtype = self._dtype(device)
         mine = [i for i in range(len(params)) if owner[i] == me]
         # gather: to rank j goes my slice of every matrix j owns; from rank s comes s's slice of each of mine
@@ -180,11 +166,11 @@ class Muon(torch.optim.Optimizer):
 
     def exchange_plan(self) -> str | None:
         """What the sharded orthogonalization moves per step, for the run header (None without sharding)."""
-        sharded = [p for g in self.param_groups if g["use_muon"] for p in g["params"] if _shard_group(p) is not None]
+        sharded = [p for g in self.param_groups if g["use_muon"] for p in g["params"] if shard_group(p) is not None]
         if not sharded:
             return None
-        ranks, numel = _shard_ranks(sharded[0]), sum(p.numel() for p in sharded)
-        dtype = self._dtype(_local(sharded[0]).device)
+        ranks, numel = shard_ranks(sharded[0]), sum(p.numel() for p in sharded)
+        dtype = self._dtype(local_shard(sharded[0]).device)
         moved = 2 * (ranks - 1) / ranks * numel * torch.finfo(dtype).bits / 8
         return (f"{len(sharded)} matrices orthogonalized whole, shared among {ranks} ranks: "
                 f"{moved / 2**20:.2f} MiB of {dtype} exchanged per step ({moved / ranks / 2**20:.2f} MiB per rank)")

@@ -8,8 +8,9 @@
     schedule_free_adamw  the `schedulefree` package's AdamWScheduleFree: no decay horizon (train.schedule constant)
     sgd                  torch.optim.SGD with momentum 0.9
 
-How Muon runs on FSDP2's shards: shardlm.training.muon; the wrappers of Adafactor, torchao's AdamW8bit and
-schedulefree (and how schedule-free AdamW keeps x and y): shardlm.training.optimizer_variants.
+How Muon runs on FSDP2's shards: optim.muon; the wrappers of Adafactor, torchao's AdamW8bit and schedulefree
+(and how schedule-free AdamW keeps x and y): optim.variants; AdamW on the local shards: optim.adamw; which update
+a run's steps take (sync-free or synchronous clip-and-skip): optim.update.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, nearest
 from shardlm.config.checks import canonical_choice
-from shardlm.distributed.parallelize import ShardLocalAdamW
+from shardlm.distributed.shards import local_shard
 from shardlm.models.causal_lm import transformer_blocks
-from shardlm.training.muon import Muon
-from shardlm.training.optimizer_variants import Adafactor, adamw8bit, schedule_free_adamw
+from shardlm.training.optim.adamw import ShardLocalAdamW, fused_on
+from shardlm.training.optim.base import KeepsImplementation
+from shardlm.training.optim.muon import Muon
+from shardlm.training.optim.update import UpdatePlan, plan_update
+from shardlm.training.optim.variants import Adafactor, adamw8bit, schedule_free_adamw
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit", "adafactor", "schedule_free_adamw", "sgd")
 # Other trainers' names (HF Trainer's `optim`, ...), keyed as config.checks.choice_key spells them
@@ -159,7 +163,15 @@ def _groups(model: nn.Module, cfg: Config, name: str) -> tuple[list[dict[str, An
     lists: list[list[nn.Parameter]] = [g["params"] for g in groups]  # type: ignore[misc]
     described = [Group(label, len(ps), sum(p.numel() for p in ps), lr)
                  for label, ps, lr in zip(labels, lists, lrs, strict=True)]
-    return groups, described
+    return _loadable(groups), described
+
+
+def _loadable(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The groups without the second and later ones that hold no parameters: DCP loads the state of at most one
+    (Muon with LoRA had two, the frozen embeddings and head, norms and biases, and could not resume). The first
+    stays, so the checkpoints of AdamW with LoRA (one empty group) keep resuming, their schedules group for group."""
+    empty = [i for i, g in enumerate(groups) if not g["params"]]
+    return [g for i, g in enumerate(groups) if i not in empty[1:]]
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -169,18 +181,18 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     name = check_optimizer(cfg)
     args = optimizer_args(cfg)
     groups, described = _groups(model, cfg, name)
-    device = next(model.parameters()).device.type
+    device = local_shard(next(model.parameters())).device
     betas = (t.beta1, t.beta2)
     optimizer: torch.optim.Optimizer
     if name == "adamw":
-        fused = device in ("cpu", "cuda")  # XLA: foreach, traced into the step's graph
+        fused = fused_on(device)  # XLA: foreach, traced into the step's graph
         if args == OPTIMIZER_ARGS["adamw"]:  # exactly the call of before train.optimizer (eps is AdamW's default)
             optimizer = ShardLocalAdamW(groups, lr=t.lr, betas=betas, fused=fused, foreach=not fused)
         else:
             optimizer = ShardLocalAdamW(groups, lr=t.lr, betas=betas, fused=fused, foreach=not fused, **args)
     elif name == "muon":
         optimizer = Muon(groups, lr=t.lr, betas=betas, weight_decay=t.weight_decay, momentum=t.muon_momentum,
-                         adjust_lr=t.muon_adjust_lr, fused=device in ("cpu", "cuda"), **args)
+                         adjust_lr=t.muon_adjust_lr, **args)
     elif name == "adamw8bit":
         optimizer = adamw8bit(groups, lr=t.lr, betas=betas, **args)
     elif name == "adafactor":
@@ -188,10 +200,20 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     elif name == "schedule_free_adamw":
         optimizer = schedule_free_adamw(model, groups, lr=t.lr, betas=betas, **args)
     else:
-        optimizer = torch.optim.SGD(groups, lr=t.lr, **args)
+        optimizer = SGD(groups, lr=t.lr, **args)
     optimizer.groups_described = described  # type: ignore[attr-defined]
     optimizer.shardlm_name = name  # type: ignore[attr-defined]
+    optimizer.update_plan = plan_update(optimizer, cfg, device)  # type: ignore[attr-defined]
     return optimizer
+
+
+class SGD(KeepsImplementation, torch.optim.SGD):
+    """torch's SGD; a resume keeps this run's implementation (optim.base)."""
+
+
+def update_plan(optimizer: torch.optim.Optimizer) -> UpdatePlan:
+    """The update `build_optimizer` planned for this optimizer's steps (synchronous for one built elsewhere)."""
+    return getattr(optimizer, "update_plan", UpdatePlan(False, "an optimizer not built by shardlm"))
 
 
 def describe(optimizer: torch.optim.Optimizer, schedule: object = None) -> str:
@@ -202,7 +224,8 @@ def describe(optimizer: torch.optim.Optimizer, schedule: object = None) -> str:
     line = f"optimizer: {name} ({groups})"
     if isinstance(optimizer, Muon) and (plan := optimizer.exchange_plan()):
         line += f"; {plan}"
-    return line + (f"; schedule: {schedule}" if schedule is not None else "")
+    line += f"; schedule: {schedule}" if schedule is not None else ""
+    return line + f"\n{update_plan(optimizer).describe()}"
 
 
 def _count(n: int) -> str:
@@ -212,13 +235,11 @@ def _count(n: int) -> str:
 # ---- state bytes (estimate, tune, the benchmark) ----------------------------------------------------------------
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of this rank's optimizer state as held: shards' local tensors, 8-bit codes with their scales."""
-    from torch.distributed.tensor import DTensor
-
     seen: set[tuple[int, int]] = set()  # storage shared by several states (a quantization map) counts once
 
     def nbytes(t: torch.Tensor) -> int:
-        if isinstance(t, DTensor):
-            return nbytes(t._local_tensor)
+        if (local := local_shard(t)) is not t:
+            return nbytes(local)
         if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # a tensor subclass: its inner tensors
             names, _ = t.__tensor_flatten__()
             return sum(nbytes(getattr(t, n)) for n in names)

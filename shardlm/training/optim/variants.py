@@ -15,19 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardlm.distributed.shards import comm_device, local_shard, placed_like, row_split, shard_group, shard_ranks
 from shardlm.models.causal_lm import before_every_forward
-from shardlm.training.shard_tensors import (
-    _comm_device,
-    _local,
-    _placed_like,
-    _rows,
-    _shard_group,
-    _shard_ranks,
-    step_groups,
-)
+from shardlm.training.optim.adamw import adamw_on_shards
+from shardlm.training.optim.base import KeepsImplementation, step_groups
 
 
-class Adafactor(torch.optim.Adafactor):
+class Adafactor(KeepsImplementation, torch.optim.Adafactor):
     """torch.optim.Adafactor's update (same formulas, same state names) on FSDP2's shards: the row statistic is
     sharded with the rows, the column statistic (a sum over all rows) and the norms the update reads are
     all-reduced over the shard group, two collectives per step for all the parameters together. (torch's own
@@ -41,11 +35,11 @@ class Adafactor(torch.optim.Adafactor):
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            local = _local(p)
+            local = local_shard(p)
             if p.dim() > 1:
-                state["row_var"] = _placed_like(p, local.new_zeros((*local.shape[:-1], 1)),
+                state["row_var"] = placed_like(p, local.new_zeros((*local.shape[:-1], 1)),
                                                 (*p.shape[:-1], 1), sharded_rows=True)
-                state["col_var"] = _placed_like(p, local.new_zeros((*local.shape[:-2], 1, local.shape[-1])),
+                state["col_var"] = placed_like(p, local.new_zeros((*local.shape[:-2], 1, local.shape[-1])),
                                                 (*p.shape[:-2], 1, p.shape[-1]), sharded_rows=False)
             else:
                 state["variance"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -57,23 +51,23 @@ class Adafactor(torch.optim.Adafactor):
         first: list[list[torch.Tensor]] = []  # per parameter: what phase 1 sums over the shards
         for p in params:
             state = self._init_state(p)
-            g, x = _local(p.grad), _local(p)  # type: ignore[arg-type]
+            g, x = local_shard(p.grad), local_shard(p)  # type: ignore[arg-type]
             state["step"] += 1
             step = state["step"].item()
             om = step ** beta2_decay
             pieces = [x.norm(2).square().reshape(1)]
             if g.dim() > 1:
-                row_var = _local(state["row_var"])
+                row_var = local_shard(state["row_var"])
                 row_var.lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(p.shape[-1]), om)
                 pieces += [row_var.sum(dim=-2).reshape(-1), torch.norm(g, dim=-2, keepdim=True).square_().reshape(-1)]
             else:
-                _local(state["variance"]).lerp_(g * g, om)
+                local_shard(state["variance"]).lerp_(g * g, om)
             first.append(pieces)
         sums = self._all_reduce(params, first)
         second: list[list[torch.Tensor]] = []
         updates = []
         for p, (psq, *rest) in zip(params, sums, strict=True):
-            state, g, x = self.state[p], _local(p.grad), _local(p)  # type: ignore[arg-type]
+            state, g, x = self.state[p], local_shard(p.grad), local_shard(p)  # type: ignore[arg-type]
             step = state["step"].item()
             om, rho = step ** beta2_decay, min(lr, 1 / step ** 0.5)
             e1 = torch.finfo(x.dtype).eps if eps1 is None else eps1
@@ -83,18 +77,18 @@ class Adafactor(torch.optim.Adafactor):
             if g.dim() > 1:
                 rows = p.shape[-2]
                 row_sum, col_sq = rest[0], rest[1]
-                col_var = _local(state["col_var"])
+                col_var = local_shard(state["col_var"])
                 col_var.lerp_(col_sq.view(col_var.shape).div(rows), om)
-                estimate = _local(state["row_var"]) @ col_var
+                estimate = local_shard(state["row_var"]) @ col_var
                 estimate.div_((row_sum.view(*col_var.shape[:-2], 1, 1) / rows).clamp_(min=e1))
             else:
-                estimate = _local(state["variance"]).clone()
+                estimate = local_shard(state["variance"]).clone()
             update = estimate.clamp_(min=e1 * e1).rsqrt_().mul_(g)
             updates.append((alpha, update))
             second.append([update.norm(2).square().reshape(1)])
         for p, (alpha, update), (usq,) in zip(params, updates, self._all_reduce(params, second), strict=True):
             denom = max(1.0, usq.sqrt().item() / (p.numel() ** 0.5 * d))
-            _local(p).add_(update, alpha=-alpha / denom)
+            local_shard(p).add_(update, alpha=-alpha / denom)
 
     @staticmethod
     def _all_reduce(params: list[torch.Tensor], pieces: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -102,12 +96,12 @@ class Adafactor(torch.optim.Adafactor):
         out = [list(ps) for ps in pieces]
         by_group: dict[Any, list[int]] = {}
         for i, p in enumerate(params):
-            pg = _shard_group(p)
+            pg = shard_group(p)
             if pg is not None:
                 by_group.setdefault(pg, []).append(i)
         for pg, idx in by_group.items():
             home = pieces[idx[0]][0].device
-            flat = torch.cat([t for i in idx for t in pieces[i]]).to(_comm_device(params[idx[0]], home))
+            flat = torch.cat([t for i in idx for t in pieces[i]]).to(comm_device(params[idx[0]], home))
             torch.distributed.all_reduce(flat, group=pg)
             flat = flat.to(home)
             parts = iter(flat.split([t.numel() for i in idx for t in pieces[i]]))
@@ -134,7 +128,7 @@ def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimi
         def _new_buffer(self, p: torch.Tensor, signed: bool) -> torch.Tensor:
             """Quantized where every rank's shard can be (torchao decides per rank, from its own shard: the ranks
             of one DTensor could hold 8-bit and fp32 pieces); small or odd-sized tensors stay fp32."""
-            pieces = [n * math.prod(p.shape[1:]) for n in _rows(p.shape[0], _shard_ranks(p))] if p.dim() else [1]
+            pieces = [n * math.prod(p.shape[1:]) for n in row_split(p.shape[0], shard_ranks(p))] if p.dim() else [1]
             if all(n == 0 or (n >= 4096 and n % self.block_size == 0) for n in pieces):
                 return super()._new_buffer(p, signed)
             return torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -158,32 +152,17 @@ def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimi
                             state["step"] = torch.tensor(0.0)
                             state["exp_avg"] = self._new_buffer(p, True)
                             state["exp_avg_sq"] = self._new_buffer(p, False)
-                        if type(_local(state["exp_avg"])) is torch.Tensor:
+                        if type(local_shard(state["exp_avg"])) is torch.Tensor:
                             plain.append(p)
                             continue
                         state["step"] += 1
-                        update(_local(p).detach(), _local(p.grad), state["step"], _local(state["exp_avg"]),
-                               _local(state["exp_avg_sq"]), None, lr, group["betas"][0], group["betas"][1],
-                               group["weight_decay"], group["eps"], True,
+                        update(local_shard(p).detach(), local_shard(p.grad), state["step"],
+                               local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]), None, lr,
+                               group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], True,
                                self.bf16_stochastic_round and p.dtype is torch.bfloat16)
                     if plain:
-                        self._plain_step(group, plain)
+                        adamw_on_shards(plain, [self.state[p] for p in plain], group)
             return loss
-
-        def _plain_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-            from torch.optim.adamw import adamw
-
-            states = [self.state[p] for p in params]
-            device = _local(params[0]).device
-            fused = device.type in ("cpu", "cuda")
-            for st in states:  # the fused kernel reads the step count on the parameters' device
-                if fused and st["step"].device != device:
-                    st["step"] = st["step"].to(device)
-            adamw([_local(p) for p in params], [_local(p.grad) for p in params],  # type: ignore[arg-type]
-                  [_local(st["exp_avg"]) for st in states], [_local(st["exp_avg_sq"]) for st in states], [],
-                  [st["step"] for st in states], foreach=None if fused else True, fused=fused or None,
-                  amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=float(group["lr"]),
-                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=False, has_complex=False)
 
     return ShardlmAdamW8bit(groups, **kwargs)
 
