@@ -248,6 +248,10 @@ def reward_module(tmp_path, monkeypatch):
         def text(prompts, completions, **kwargs):
             return ["1"] * len(completions)
 
+        def numpy_floats(prompts, completions, **kwargs):
+            import numpy
+            return [numpy.float32(0.5), numpy.int64(1), None][:len(completions)]
+
         def raises(prompts, completions, **kwargs):
             return [1.0 / len(c) for c in completions]
         """))
@@ -293,6 +297,11 @@ def test_reward_errors_when_scoring(reward_module, name, message):
     with pytest.raises(ShardlmError) as e:
         rewards.score(["a?", "b?", "c?"], ["ok", "bad", ""], [[1], [2], []], {})
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_numpy_rewards_are_numbers(reward_module):
+    rewards = load_rewards(GrpoConfig(rewards=["my_rewards:numpy_floats"]), [])
+    assert rewards.score(["a", "b", "c"], ["x", "y", "z"], [[1]] * 3, {})[:2, 0].tolist() == [0.5, 1.0]
 
 
 def test_reward_weights_must_match():

@@ -26,6 +26,7 @@ import importlib
 import importlib.util
 import inspect
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -234,10 +235,13 @@ class RewardSet:
         return torch.tensor(self.weights, dtype=torch.float32)
 
 
-def _shown(prompt: Any) -> str:
-    text = text_of(prompt) if isinstance(prompt, list) else str(prompt)
-    text = text.replace("\n", "\\n")
-    return repr(text if len(text) <= 60 else text[:57] + "...")
+def _where(prompts: list, i: int) -> str:
+    """`completion i (prompt '...')`: which completion, and the start of its prompt."""
+    if i >= len(prompts):
+        return f"completion {i}"
+    prompt = prompts[i]
+    text = (text_of(prompt) if isinstance(prompt, list) else str(prompt)).replace("\n", "\\n")
+    return f"completion {i} (prompt {text if len(text) <= 60 else text[:57] + '...'!r})"
 
 
 def call(reward: Reward, prompts: list, completions: list, completion_ids: list[list[int]],
@@ -247,7 +251,7 @@ def call(reward: Reward, prompts: list, completions: list, completion_ids: list[
         values = reward.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **fields)
     except Exception as e:  # noqa: BLE001 - the user's code: find the completion that fails, then say which
         i, e = _first_failure(reward, prompts, completions, completion_ids, fields, e)
-        where = f" on completion {i} (prompt {_shown(prompts[i])})" if i is not None else ""
+        where = f" on {_where(prompts, i)}" if i is not None else ""
         raise ShardlmError(f"reward '{reward.name}' raised {type(e).__name__}: {e}{where}. Fix the function "
                            "(return None for a completion it cannot score).") from None
     try:
@@ -259,13 +263,12 @@ def call(reward: Reward, prompts: list, completions: list, completion_ids: list[
         raise ShardlmError(f"reward '{reward.name}' returned {len(values)} values for {n} completions: it must "
                            "return one float (or None) per completion, in order.")
     for i, v in enumerate(values):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_scalar_tensor(v)):
-            raise ShardlmError(f"reward '{reward.name}' returned {v!r} ({type(v).__name__}) for completion "
-                               f"{i} (prompt {_shown(prompts[i])}): return a float, or None where it does not apply.")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) and not _is_scalar_tensor(v)):
+            raise ShardlmError(f"reward '{reward.name}' returned {v!r} ({type(v).__name__}) for {_where(prompts, i)}: "
+                               "return a float, or None where it does not apply.")
         if v is not None and not math.isfinite(float(v)):
-            raise ShardlmError(f"reward '{reward.name}' returned {float(v)} for completion {i} (prompt "
-                               f"{_shown(prompts[i])}): "
-                               "rewards must be finite; return None where a completion cannot be scored.")
+            raise ShardlmError(f"reward '{reward.name}' returned {float(v)} for {_where(prompts, i)}: rewards must "
+                               "be finite; return None where a completion cannot be scored.")
     return values
 
 
