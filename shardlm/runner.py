@@ -12,11 +12,10 @@ from shardlm import ShardlmError
 from shardlm.checkpoint import layout
 from shardlm.checkpoint.layout import checkpoints_dir, metrics_file
 from shardlm.config import Config, config_from_dict, save_config, to_flat_dict
-from shardlm.data import MixtureBlocks, TokenBlocks, describe
+from shardlm.data import describe
 from shardlm.distributed.full_state import gather_hf_model
 from shardlm.inference.generate import generate_text
-from shardlm.inference.genquality import GenerationQuality
-from shardlm.observe import tracking
+from shardlm.inference.genquality import GenerationQuality, check_generation
 from shardlm.training.build import Run, build
 from shardlm.training.trainer import Trainer
 
@@ -24,8 +23,7 @@ from shardlm.training.trainer import Trainer
 def train(cfg: Config, callbacks: Iterable[object] = (), *, continued: bool = False) -> dict:
     """`callbacks`: shardlm.callbacks objects (`shardlm train --callback SPEC` loads them by name). `continued`:
     the config was read from the run's own config.yaml (`shardlm resume`), so a change is one the user typed."""
-    tracking.require(cfg.log)  # a tracker that is not installed fails before any work
-    run = build(cfg)
+    run = build(cfg)  # every check that can refuse the run comes first (shardlm.training.checks): nothing written
     trainer = Trainer(run, checkpoint=True, callbacks=[*callbacks, *generation_callback(run)])
     assert trainer.checkpointer is not None
     resumed = trainer.checkpointer.maybe_resume()
@@ -89,23 +87,11 @@ def _clipped(text: str, limit: int = 160) -> str:
 
 
 def generation_callback(run: Run) -> list[GenerationQuality]:
-    """`train.gen_every`: its libraries and enough held-out blocks are checked here, on every rank, so a
-    missing one fails before training rather than on rank 0 alone at step N."""
+    """`train.gen_every`: checked here (`check_generation`, as the dry run checks it), on every rank, so a missing
+    library or too few held-out blocks fail before training rather than on rank 0 alone at step N."""
     t = run.cfg.train
-    if not t.gen_every:
-        return []
-    from shardlm.inference.genquality import MODULES, held_out_prompts, require
-
-    for module in MODULES:
-        require(module)
-    val = run.val
-    if not isinstance(val, (TokenBlocks, MixtureBlocks)) or not all(isinstance(p, TokenBlocks) for p in
-                                                                    getattr(val, "parts", [val])):
-        raise ShardlmError("train.gen_every scores continuations of held-out text; the validation data holds "
-                           "examples. Score their answers with `shardlm eval RUN --exact-match` instead.")
-    held_out_prompts(val.tokens[val.start:val.end], val.seq_len, t.gen_samples, val.seq_len // 2,
-                     option="train.gen_samples")
-    return [GenerationQuality(t.gen_every, t.gen_samples)]
+    check_generation(t, run.val)
+    return [GenerationQuality(t.gen_every, t.gen_samples)] if t.gen_every else []
 
 
 def record_config(cfg: Config, out_dir: Path, log=print, hint: bool = True) -> None:

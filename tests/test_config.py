@@ -205,6 +205,9 @@ def test_a_pretrained_model_gets_fine_tuning_defaults_unless_given(tmp_path):
     assert task_defaults_note(full) == ("fine-tuning defaults (model.name is a pretrained model): train.lr=5e-05, "
                                         "train.epochs=3, train.warmup_steps=0, train.weight_decay=0; "
                                         "set any to override")
+    steps = load_config(None, ["model.name=./mymodel", "train.max_steps=10"])  # then epochs set nothing: unnamed
+    assert task_defaults_note(steps) == ("fine-tuning defaults (model.name is a pretrained model): train.lr=5e-05, "
+                                         "train.warmup_steps=0, train.weight_decay=0; set any to override")
     assert load_config(None, ["model.name=./mymodel", "lora.r=8"]).train.lr == 2e-4
     (tmp_path / "c.yaml").write_text("model:\n  name: ./mymodel\ntrain:\n  lr: 1.0e-3\n  warmup_steps: 20\n")
     mine = load_config(tmp_path / "c.yaml", ["lora.r=8", "train.weight_decay=0.1"])

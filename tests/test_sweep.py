@@ -66,6 +66,9 @@ def test_sweep_errors_come_first_in_one_line(corpus, cache_dir, tmp_path, capsys
     cases = [(["--param", "train.lrr=uniform:0:1"], "Did you mean 'train.lr'?"),
              ([], "needs a search space: --param KEY=KIND:ARGS"),
              (["--param", "train.grad_accum=int:0:8"], "with train.grad_accum=0 the config fails"),
+             (["--param", "train.schedule=choice:cosine,wsdd"],  # a run's check, not the config's: it started
+              "with train.schedule=wsdd the config fails: train.schedule='wsdd' is not one of"),
+             (["--param", "train.optimizer=choice:adamw,muonn"], "with train.optimizer=muonn the config fails"),
              (["--param", "train.lr=uniform:0.1:1"], "train.lr is both a key=value override and a --param"),
              (["--param", "train.weight_decay=uniform:0:1", "--pruner", "asha"], "--pruner asha: choose one of")]
     for extra, message in cases:

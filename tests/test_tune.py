@@ -10,7 +10,7 @@ import shardlm.preflight.tune
 from helpers import shardlm_cli, tiny
 from shardlm.config import load_config, save_config
 from shardlm.preflight.tune import report, tune
-from shardlm.training.build import count_steps
+from shardlm.training.checks import count_steps
 
 ROW = re.compile(r"^full\s+(\w+)\s+(\d+)\s+\S+\s+\S+\s+(>=\d+ \(cap\)|\d+)\s+(\d+) x (\d+)\s")
 

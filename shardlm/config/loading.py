@@ -203,7 +203,9 @@ def task_defaults(cfg: Config) -> dict[str, float]:
 def task_defaults_note(cfg: Config) -> str | None:
     """One line for the run header naming the fine-tuning defaults in effect, so a user who expected the
     from-scratch ones (or docs/finetune.md's table) sees why; None from scratch or when every one was overridden."""
-    used = [f"{key}={value:g}" for key, value in task_defaults(cfg).items() if _value(cfg, key) == value]
+    unused = {"train.epochs"} if cfg.train.max_steps is not None else set()  # max_steps sets the run's length
+    used = [f"{key}={value:g}" for key, value in task_defaults(cfg).items()
+            if _value(cfg, key) == value and key not in unused]
     if not used:
         return None
     what = "a pretrained model with LoRA" if cfg.lora.r > 0 else "a pretrained model"

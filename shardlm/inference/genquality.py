@@ -102,6 +102,26 @@ def text_metrics(samples: Sequence[str], references: Sequence[str] | None = None
 
 
 # ---- held-out prompts, sampled continuations and their features ------------------------------------------
+def check_generation(t: Any, val: Any) -> None:
+    """`train.gen_every`'s libraries and held-out blocks, checked before training by the run (on every rank) and by
+    `--dry-run` alike, so a missing one fails before the first step rather than on rank 0 alone at step N."""
+    if not t.gen_every:
+        return
+    from shardlm.data import TokenBlocks
+
+    for module in MODULES:
+        require(module)
+    if hasattr(val, "parts"):  # the callback samples from one token stream
+        raise ShardlmError(f"train.gen_every scores continuations of one source's held-out text; the validation "
+                           f"data is a mixture of {len(val.parts)} sources. Set data.val to one text source, or "
+                           "train.gen_every=0.")
+    if not isinstance(val, TokenBlocks):
+        raise ShardlmError("train.gen_every scores continuations of held-out text; the validation data holds "
+                           "examples. Score their answers with `shardlm eval RUN --exact-match` instead.")
+    held_out_prompts(val.tokens[val.start:val.end], val.seq_len, t.gen_samples, val.seq_len // 2,
+                     option="train.gen_samples")
+
+
 def held_out_prompts(tokens: np.ndarray, seq_len: int, n: int, prompt_len: int,
                      option: str = "--generation") -> tuple[list, list]:
     """(prompt ids, true continuation ids) of `n` blocks of `seq_len` tokens spread evenly over `tokens`:

@@ -1,13 +1,15 @@
 """`shardlm train CONFIG --dry-run`: every check a run makes before its first step, without the work.
 
-In the run's order (shardlm.training.build, then the checks `train` makes before its first step): the trackers, the
-device and parallel plan for the world size the run would have, QLoRA's needs, out_dir, the tokenizer and the
-model's config, the parameters counted on the `meta` device (LoRA's adapters injected there, so target errors
-show), the data (files found and the first records of each read, so a missing CSV column or a malformed first
-line shows), the blocks and steps, train.gen_every's held-out blocks, and the checkpoint a run would resume
-checked against the config (model, LoRA rank, alpha, targets and base).
+The checks are the run's own list (shardlm.training.checks), run in the run's order on what a dry run has instead
+of the work: the device and parallel plan for the world size the run would have; the trackers, QLoRA's needs, the
+optimizer, out_dir and the optimizer of the checkpoint it would resume; the tokenizer and the model's config, the
+parameters counted on the `meta` device (LoRA's adapters injected there, so target errors show); the data (files
+found and the first records of each read, so a missing CSV column or a malformed first line shows); the blocks
+against the model, the objective, the global batch and the schedule; train.gen_every's needs; and the checkpoint
+a run would resume checked against the config (model, LoRA rank, alpha, targets and base) and, for a preference
+run, against its reference.
 The blocks come from each source's token count: its cache's if built, else the source tokenized in memory until
-it has more than the checks need. The run's own code then cuts them (`prepare_data`, `count_steps`), so data
+it has more than the checks need. The run's own code then cuts them (`prepare_data`, `check_data`), so data
 too short for a validation block or a global batch fails here with the run's message. Hugging Face datasets are
 named, not downloaded (nor counted). Nothing is written: no out_dir, no cache.
 A hub name that cannot be reached offline is reported as such rather than failed, so a config written for
@@ -22,12 +24,11 @@ import math
 import re
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from shardlm import ShardlmError
 from shardlm.config import Config, DataConfig
+from shardlm.data import Blocks
 from shardlm.models import lora
+from shardlm.training import checks
 
 PEEK_FILES, PEEK_RECORDS = 100, 2  # what of the data a dry run reads
 
@@ -104,14 +105,12 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
                                f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
 
 
-def _resume_lines(cfg: Config, hf_cfg) -> tuple[list[str], int | None]:
-    """The checks a run makes on the checkpoint it would resume (Checkpointer.load), before loading it; the
+def _resume_lines(cfg: Config, hf_cfg, path: Path | None) -> tuple[list[str], int | None]:
+    """The checks a run makes on the checkpoint it resumes (Checkpointer.load), before loading it; the
     checkpoint's step (None: nothing to resume)."""
-    from shardlm.checkpoint.layout import resume_target
     from shardlm.checkpoint.provenance import base_identity, check_resumable
 
-    path = resume_target(cfg.checkpoint.resume, Path(cfg.out_dir), log=lambda *_: None)
-    if path is None:
+    if path is None or hf_cfg is None:
         return [], None
     manifest = check_resumable(path, cfg, hf_cfg, lambda known: base_identity(cfg.model.name, known)
                                if lora.enabled(cfg.lora) and cfg.model.name else None)
@@ -127,73 +126,53 @@ def enough_tokens(cfg: Config, world: int) -> int:
     return math.ceil(train_tokens / (1 - d.val_fraction)) + math.ceil((val_blocks * d.seq_len + 2) / d.val_fraction)
 
 
-def _blocks_line(cfg: Config, tokenizer, world: int) -> tuple[str, int | None, list[str]]:
-    """The run's block and step checks, on counted tokens (`counting_loader`): the same messages; the run's
-    steps where they are known (None: not counted)."""
+@dataclasses.dataclass
+class Counted:
+    """What a dry run knows of the run's data: its header line, the steps (None: not counted), the example
+    lines, the cut blocks (None: not counted) and the warnings of the run's checks."""
+
+    line: str
+    steps: int | None
+    examples: list[str]
+    blocks: tuple[Blocks, Blocks] | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def _count(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
+    """The run's blocks cut from counted tokens (`counting_loader`), then the run's checks of them: the same
+    messages."""
     from shardlm.data import counting_loader, prepare_data
     from shardlm.data.sources import resolve
-    from shardlm.training.build import count_steps
+    from shardlm.inference.genquality import check_generation
 
     d = cfg.data
     specs = [*(d.train if isinstance(d.train, list) else [d.train]), *([d.val] if d.val else [])]
     if tokenizer is None:
-        return "blocks: not counted (the tokenizer is a hub name that cannot be reached)", cfg.train.max_steps, []
+        return Counted("blocks: not counted (the tokenizer is a hub name that cannot be reached)",
+                       cfg.train.max_steps, [])
     if any(resolve(spec, "train", d.data_files).hf for spec in specs):
-        return "blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)", cfg.train.max_steps, []
+        return Counted("blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)",
+                       cfg.train.max_steps, [])
     exact: list[bool] = []
     train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
-    steps = count_steps(cfg, train, world)
-    from shardlm.training.optim import optimizers
-    from shardlm.training.schedule import check_schedule
-
-    optimizers.check_optimizer(cfg)  # what the run would refuse before its first step
-    check_schedule(cfg.train, steps, optimizers.optimizer_name(cfg.train.optimizer))
-    _check_generation(cfg, val)
+    warnings: list[str] = []
+    steps = checks.check_data(cfg, hf_cfg, train, val, world, warnings.append)
+    check_generation(cfg.train, val)
     blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
     examples = _example_lines(train, tokenizer)
     if all(exact):
-        return f"blocks: {blocks}; {steps:,} steps", steps, examples
+        return Counted(f"blocks: {blocks}; {steps:,} steps", steps, examples, (train, val), warnings)
     steps_known = f"; {steps:,} steps" if cfg.train.max_steps is not None else ""
-    return (f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}",
-            cfg.train.max_steps, examples)
-
-
-def _check_generation(cfg: Config, val) -> None:
-    """train.gen_every's libraries and held-out blocks, as `train.generation_callback` checks them."""
-    t = cfg.train
-    if not t.gen_every:
-        return
-    from shardlm.inference.genquality import MODULES, held_out_prompts, require
-
-    for module in MODULES:
-        require(module)
-    parts = getattr(val, "parts", [val])  # a mixture's tails, or one source's blocks
-    tokens = sum(p.end - p.start for p in parts)
-    held_out_prompts(np.broadcast_to(np.zeros((), dtype=np.uint8), (tokens,)), val.seq_len, t.gen_samples,
-                     val.seq_len // 2, option="train.gen_samples")
-
-
-def _device(cfg: Config) -> torch.device:
-    from shardlm.distributed import xla
-    from shardlm.distributed.process_group import pick_device
-
-    explicit = cfg.parallel.device != "auto" or xla.wanted("auto")
-    return pick_device(cfg.parallel.device, 0) if explicit else \
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return Counted(f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}",
+                   cfg.train.max_steps, examples, (train, val), warnings)
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
     from shardlm.config import task_defaults_note
     from shardlm.distributed import xla
-    from shardlm.distributed.parallelize import plan
-    from shardlm.observe import tracking
-    from shardlm.training.build import check_out_dir
 
-    tracking.require(cfg.log)
-    device = _device(cfg)
-    pl = plan(cfg, world_size, world_size, device)
-    lora.check(cfg.lora, device, sharded=pl.use_fsdp)
-    check_out_dir(cfg.out_dir)
+    device, pl = checks.planned(cfg, world_size)
+    _, resumed = checks.check_setup(cfg, pl, device)
     tokenizer, hf_cfg, model_lines = _model(cfg)
     d = cfg.data
     specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
@@ -201,19 +180,22 @@ def dry_run(cfg: Config, world_size: int) -> str:
     data_lines = [*(_data_line(name, spec, "train", d) for name, spec in specs),
                   _data_line("data.val", d.val, "validation", d)]
     world = world_size * (xla.device_count() if device.type == "xla" else 1)
-    blocks, steps, examples = _blocks_line(cfg, tokenizer, world)
-    resume, resumed = _resume_lines(cfg, hf_cfg) if hf_cfg is not None else ([], None)
-    done = resumed is not None and steps is not None and resumed >= steps > 0
-    finished = [f"nothing to train: the checkpoint is step {resumed} and this config ends at step {steps}. To "
-                "train further raise train.max_steps (or train.epochs); to start over use a new out_dir or "
+    counted = _count(cfg, tokenizer, hf_cfg, world)
+    if counted.blocks is not None:
+        checks.check_resume(cfg, hf_cfg, *counted.blocks, resumed)
+    resume, resumed_step = _resume_lines(cfg, hf_cfg, resumed)
+    steps = counted.steps
+    done = resumed_step is not None and steps is not None and resumed_step >= steps > 0
+    finished = [f"nothing to train: the checkpoint is step {resumed_step} and this config ends at step {steps}. "
+                "To train further raise train.max_steps (or train.epochs); to start over use a new out_dir or "
                 "checkpoint.resume=none."] if done else []
     note = task_defaults_note(cfg)
-    lines = [*data_lines, blocks, *examples, *model_lines, *resume,
+    lines = [*data_lines, counted.line, *counted.examples, *model_lines, *resume,
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")
              + f", {cfg.parallel.precision}, compile {pl.compile}",
              f"global batch: {world} x {cfg.train.batch_size} x {cfg.train.grad_accum} blocks of "
              f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
-             *([note] if note else []), *finished,
+             *([note] if note else []), *counted.warnings, *finished,
              "dry run: the config is valid; nothing was trained or written"]
     return "\n".join(lines)

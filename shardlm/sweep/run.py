@@ -93,13 +93,18 @@ def _definition(opts: SweepOptions, params: list[Param], saved: dict[str, Any] |
     return definition
 
 
-def _check_ends(cfg: Config, params: list[Param]) -> None:
-    """Both ends of each range and every choice make a valid config, before any trial starts."""
+def _check_ends(cfg: Config, params: list[Param], nproc: int) -> None:
+    """Both ends of each range and every choice make a config the run's checks that need no data pass
+    (shardlm.training.checks: the schedule's and the optimizer's names, the plan, ...), before any trial starts."""
+    from shardlm.training import checks
+
     flat = to_flat_dict(cfg)
     for p in params:
         for value in ends(p):
             try:
-                build_config({**flat, p.key: value})
+                trial = build_config({**flat, p.key: value})
+                device, pl = checks.planned(trial, nproc or 1)
+                checks.check_settings(trial, pl, device)
             except ShardlmError as e:
                 raise ShardlmError(f"--param {p.key}={p.spec}: with {p.key}={value} the config fails: {e}") from None
 
@@ -137,7 +142,7 @@ def prepare(config: list[str], overrides: list[str], opts: SweepOptions) -> tupl
                            f"out_dir={out}-sweep (its trials run in OUT_DIR/trial_NNNN).")
     if out.is_file():
         raise ShardlmError(f"out_dir '{out}' is a file; give the sweep a folder.")
-    _check_ends(cfg, params)
+    _check_ends(cfg, params, opts.nproc)
     saved = read_definition(out) if (out / DEFINITION).is_file() else None
     definition = _definition(opts, params, saved)
     if saved is not None:  # the same command again: the same search, or an error that says what changed

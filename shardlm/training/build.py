@@ -3,7 +3,6 @@ parallelize -> weights -> optimizer. `build()` returns them; the Trainer only ru
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,21 +10,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardlm import ShardlmError
 from shardlm.config import Config
-from shardlm.data import Blocks, describe, prepare_data
+from shardlm.data import Blocks, prepare_data
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora
 from shardlm.models.causal_lm import CausalLM, auto_loss_chunk
-from shardlm.models.hf_config import check_packing, model_config
+from shardlm.models.hf_config import model_config
 from shardlm.models.instantiate import empty_model, initial_model
 from shardlm.models.state_keys import from_hf, hf_name, is_hf
 from shardlm.tokenizer import model_tokenizer
+from shardlm.training import checks
 from shardlm.training.optim import optimizers
-from shardlm.training.preference import check_objective
-from shardlm.training.schedule import Schedule, check_schedule, make_schedule
+from shardlm.training.schedule import Schedule, make_schedule
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -45,20 +43,6 @@ class Run:
     val: Blocks
     total_steps: int
     out_dir: Path
-
-
-def check_out_dir(path: str) -> Path:
-    """`out_dir` as a Path, checked but not created: a command that fails before training leaves nothing
-    behind (the folder is made by the first thing a run writes)."""
-    out = Path(path).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ShardlmError(f"out_dir '{out}' is a file, not a folder. Choose another out_dir.")
-    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
-    if not existing.is_dir():
-        raise ShardlmError(f"cannot create out_dir '{out}': '{existing}' is a file. Choose another out_dir.")
-    if not os.access(existing, os.W_OK):
-        raise ShardlmError(f"out_dir '{out}' is not writable ('{existing}' is not). Choose a writable out_dir.")
-    return out
 
 
 def init_dist(cfg: Config) -> tuple[Dist, Plan]:
@@ -136,58 +120,18 @@ def describe_optimizer(run: Run) -> str:
     return optimizers.describe(run.optimizer, schedule.describe() if schedule is not None else None)
 
 
-def check_resumed_optimizer(cfg: Config, out: Path, dist: Dist) -> None:
-    """The checkpoint a run resumes holds its optimizer's state: another optimizer cannot load it (DCP would stop on
-    the first missing key, with a traceback)."""
-    from shardlm.checkpoint.layout import CONFIG, checkpoints_dir, read_config, resume_target
-
-    def saved() -> str:
-        path = resume_target(cfg.checkpoint.resume, checkpoints_dir(out), log=lambda _: None)
-        if path is None or not (path / CONFIG).is_file():
-            return ""
-        return f"{read_config(path).train.optimizer}\t{path}"
-
-    found = dist.run_on_main(saved)
-    if not found:
-        return
-    old, path = found.split("\t", 1)
-    before, now = optimizers.optimizer_name(old), optimizers.optimizer_name(cfg.train.optimizer)
-    if before != now:
-        raise ShardlmError(f"checkpoint '{path}' holds the state of train.optimizer={before}, and this run asks for "
-                           f"{now}: resume with train.optimizer={before}, or start a new run from its weights "
-                           f"(shardlm export {path} DIR, then model.name=DIR).")
-
-
-def count_steps(cfg: Config, train: Blocks, world: int) -> int:
-    """train.epochs counts the blocks of all sampled sources of a mixture together (weight 0: left out)."""
-    t = cfg.train
-    global_batch = world * t.batch_size * t.grad_accum
-    blocks = getattr(train, "sampled_blocks", len(train))  # a mixture's weight-0 sources are left out
-    if blocks < global_batch:
-        raise ShardlmError(
-            f"the training data has {blocks} blocks of {cfg.data.seq_len} tokens, fewer than one global "
-            f"batch of {global_batch} (= {world} devices x train.batch_size={t.batch_size} x "
-            f"train.grad_accum={t.grad_accum}). Use more data or lower train.batch_size / data.seq_len.")
-    if t.max_steps is not None:
-        return t.max_steps
-    return int(t.epochs * blocks // global_batch)
-
-
 def build(cfg: Config) -> Run:
-    """Checks that need no data (out_dir, tokenizer, the model's config against data.seq_len) come before
-    tokenizing, so a config that can never work fails in seconds, not after the cache is built."""
+    """The run's checks (shardlm.training.checks, the list `--dry-run` runs too) come before the work they guard:
+    those that need no data (out_dir, the tokenizer, the model's config against data.seq_len) before tokenizing,
+    so a config that can never work fails in seconds, not after the cache is built; all of them before the model
+    is built or anything written."""
     d, pl = init_dist(cfg)
-    lora.check(cfg.lora, d.device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
-    optimizers.check_optimizer(cfg)  # a misspelled optimizer or a missing library too
-    out = Path(d.run_on_main(lambda: str(check_out_dir(cfg.out_dir))))
-    check_resumed_optimizer(cfg, out, d)
+    out, resumed = checks.check_setup(cfg, pl, d.device, d.run_on_main)
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
     train, val = prepare_data(cfg.data, tokenizer, d)
-    check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
-    check_objective(cfg, train, val)
-    total = count_steps(cfg, train, d.data_parallel)
-    check_schedule(cfg.train, total, optimizers.optimizer_name(cfg.train.optimizer))
+    total = checks.check_data(cfg, hf_cfg, train, val, d.data_parallel, d.print)
+    checks.check_resume(cfg, hf_cfg, train, val, resumed, d.run_on_main)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, hf_cfg, pl, d)
     optimizer, scheduler = build_optimizer(model, cfg, total)

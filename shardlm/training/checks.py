@@ -1,0 +1,240 @@
+"""The checks a run makes before it builds its model or writes a file, as one list: `build()` runs it on the real
+run, `shardlm train --dry-run` (shardlm.preflight.dryrun) on counted data and a model on `meta`, so what one
+refuses the other refuses with the same message. In the run's order:
+
+- `check_setup`, before the tokenizer: the trackers' libraries, QLoRA's device and plan, the optimizer (its name,
+  arguments and library), out_dir, and the optimizer of the checkpoint the run would resume;
+- `check_data`, once the blocks are cut: packing on the model's family, the objective against the data (pairs
+  for dpo/ipo/simpo/orpo, none for sft), one global batch, the schedule against the run's steps;
+- `check_resume`, where a checkpoint would be resumed: a preference run's reference is the one it started with.
+
+The model's config (shardlm.models.causal_lm `model_config`), the checkpoint against the config (`check_resumable`,
+at load, before anything is written) and train.gen_every's needs (shardlm.inference.genquality
+`check_generation`, a layer above this one) are shared the same way: one function each, called by both.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from shardlm import ShardlmError
+from shardlm.checkpoint import layout
+from shardlm.config import Config
+from shardlm.data import Blocks, ExampleRows, TokenBlocks, describe
+from shardlm.data.blocks import counted
+from shardlm.data.cache import cache_root
+from shardlm.data.examples import reference_problem
+from shardlm.distributed.parallelize import Plan, plan
+from shardlm.distributed.process_group import pick_device
+from shardlm.models import lora
+from shardlm.models.hf_config import check_packing
+from shardlm.models.preference import OBJECTIVES, REFERENCE_FREE
+from shardlm.observe import tracking
+from shardlm.training.optim import optimizers
+from shardlm.training.preference import check_objective, damaged_reference, initial_key, pair_rows, reference_key
+from shardlm.training.schedule import check_schedule
+
+OnMain = Callable[[Callable[[], str]], str]  # Dist.run_on_main: rank 0 does it, every rank gets its result or error
+
+
+PAIR_REFERENCE = tuple(o for o in OBJECTIVES if o != "sft" and o not in REFERENCE_FREE)  # dpo, ipo
+
+
+def _here(fn: Callable[[], str]) -> str:
+    return fn()
+
+
+def check_out_dir(path: str) -> Path:
+    """`out_dir` as a Path, checked but not created: a command that fails before training leaves nothing
+    behind (the folder is made by the first thing a run writes)."""
+    import os
+
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ShardlmError(f"out_dir '{out}' is a file, not a folder. Choose another out_dir.")
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ShardlmError(f"cannot create out_dir '{out}': '{existing}' is a file. Choose another out_dir.")
+    if not os.access(existing, os.W_OK):
+        raise ShardlmError(f"out_dir '{out}' is not writable ('{existing}' is not). Choose a writable out_dir.")
+    return out
+
+
+def planned(cfg: Config, world_size: int) -> tuple[torch.device, Plan]:
+    """The device and parallel plan a run of `world_size` processes would have, checked, with nothing started (a dry
+    run; a sweep's trials). A run picks its device by its local rank: here the first one, or under `auto` CUDA
+    where there is one."""
+    from shardlm.distributed import xla
+
+    explicit = cfg.parallel.device != "auto" or xla.wanted("auto")
+    device = pick_device(cfg.parallel.device, 0) if explicit else \
+        torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device, plan(cfg, world_size, world_size, device)
+
+
+def check_settings(cfg: Config, pl: Plan, device: Any) -> None:
+    """The checks that need neither out_dir nor data nor a model: what a sweep checks of each range end and choice."""
+    tracking.require(cfg.log)
+    lora.check(cfg.lora, device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
+    name = optimizers.check_optimizer(cfg)  # a misspelled optimizer or a missing library too
+    check_schedule(cfg.train, 0, name)  # its names and ranges; against the run's steps in check_data
+
+
+def check_setup(cfg: Config, pl: Plan, device: Any, on_main: OnMain = _here) -> tuple[Path, Path | None]:
+    """The checks that need no tokenizer, model or data: (out_dir, the checkpoint the run would resume or None)."""
+    check_settings(cfg, pl, device)
+    out = Path(on_main(lambda: str(check_out_dir(cfg.out_dir))))
+    resumed = resume_point(cfg, out, on_main)
+    if resumed is not None:
+        check_resumed_optimizer(cfg, resumed, on_main)
+    return out, resumed
+
+
+def resume_point(cfg: Config, out: Path, on_main: OnMain = _here) -> Path | None:
+    """The checkpoint the run would resume (checkpoint.resume: out_dir's newest complete one, or a path)."""
+    def find() -> str:
+        path = layout.resume_target(cfg.checkpoint.resume, layout.checkpoints_dir(out), log=lambda _: None)
+        return str(path) if path is not None else ""
+
+    found = on_main(find)
+    return Path(found) if found else None
+
+
+def check_resumed_optimizer(cfg: Config, path: Path, on_main: OnMain = _here) -> None:
+    """The checkpoint a run resumes holds its optimizer's state: another optimizer cannot load it (DCP would stop on
+    the first missing key, with a traceback)."""
+    saved = on_main(lambda: layout.read_config(path).train.optimizer if (path / layout.CONFIG).is_file() else "")
+    if not saved:
+        return
+    before, now = optimizers.optimizer_name(saved), optimizers.optimizer_name(cfg.train.optimizer)
+    if before != now:
+        raise ShardlmError(f"checkpoint '{path}' holds the state of train.optimizer={before}, and this run asks for "
+                           f"{now}: resume with train.optimizer={before}, or start a new run from its weights "
+                           f"(shardlm export {path} DIR, then model.name=DIR).")
+
+
+def count_steps(cfg: Config, train: Blocks, world: int) -> int:
+    """train.epochs counts the blocks of all sampled sources of a mixture together (weight 0: left out)."""
+    t = cfg.train
+    global_batch = world * t.batch_size * t.grad_accum
+    blocks = getattr(train, "sampled_blocks", len(train))  # a mixture's weight-0 sources are left out
+    if blocks < global_batch:
+        raise ShardlmError(
+            f"the training data has {counted(train, blocks, cfg.data.seq_len)}, fewer than one global "
+            f"batch of {global_batch} (= {world} device{'s' * (world != 1)} x train.batch_size={t.batch_size} x "
+            f"train.grad_accum={t.grad_accum}). Use more data or lower train.batch_size"
+            f"{' / data.seq_len' if isinstance(train, TokenBlocks) else ''}.")
+    if t.max_steps is not None:
+        return t.max_steps
+    return int(t.epochs * blocks // global_batch)
+
+
+def check_data(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, world: int,
+               warn: Callable[[str], None] = print) -> int:
+    """The checks of the cut blocks against the model and the objective; the run's steps. `hf_cfg` None: a dry
+    run whose model could not be loaded (a hub name offline), so packing is not checked."""
+    if hf_cfg is not None:
+        check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
+    check_objective(cfg, train, val)
+    total = count_steps(cfg, train, world)
+    check_schedule(cfg.train, total, optimizers.optimizer_name(cfg.train.optimizer))
+    note = long_warmup(cfg, total)
+    if note:
+        warn(note)
+    return total
+
+
+def long_warmup(cfg: Config, total: int) -> str | None:
+    """Under train.schedule=auto a warmup longer than the run is allowed (a named schedule refuses it), but the
+    rate then never reaches train.lr: one warning line says where it ends."""
+    t = cfg.train
+    if t.schedule != "auto" or not 0 < total < t.warmup_steps:
+        return None
+    return (f"warning: train.warmup_steps={t.warmup_steps} is longer than the run's {total} steps: the learning "
+            f"rate ends its warmup at {total / t.warmup_steps:.2g} x train.lr and never reaches it. Set "
+            f"train.warmup_steps below {total} to train at train.lr.")
+
+
+def check_resume(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, resumed: Path | None,
+                 on_main: OnMain = _here) -> None:
+    """A resumed preference run trains against the reference it started with: the precomputed values must be
+    on disk, whole; a live reference must rebuild the same initial model. Refused here, before anything is written,
+    not at the first step (after the run folder's config and event files)."""
+    if resumed is None or hf_cfg is None or cfg.train.objective not in PAIR_REFERENCE:
+        return
+    saved = json.loads(on_main(lambda: json.dumps(_resumed_state(resumed))))
+    if not saved["step"]:
+        return
+    run = SimpleNamespace(cfg=cfg, hf_config=hf_cfg)  # what the reference's keys read of a run
+    if cfg.preference.reference == "live":
+        if saved["reference_key"] is not None and saved["reference_key"] != initial_key(run):
+            raise live_reference_changed(cfg)
+        return
+    problem = on_main(lambda: _stored_reference(cfg, reference_key(run), train, val))
+    if problem:
+        name, found = problem.split("\t")
+        raise damaged_reference(name) if found == "damaged" else missing_reference(name, found == "found")
+
+
+def _resumed_state(path: Path) -> dict[str, Any]:
+    state_file = path / layout.TRAINER_STATE
+    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+    return {"step": layout.read_manifest(path).get("step", 0), "reference_key": state.get("reference_key")}
+
+
+def _stored_reference(cfg: Config, key: str, train: Blocks, val: Blocks) -> str:
+    """'' if each example set's stored reference is there with every pair scored, else 'NAME\tfound|missing'. The
+    folder is named from the cache root, so a dry run's examples (rendered in memory) point at the run's cache."""
+    for splits in _example_sets([pair_rows(train, "training"), pair_rows(val, "validation")]):
+        folder = splits[0].examples.meta.get("folder")
+        if not folder:
+            continue
+        path = cache_root(cfg.data.cache_dir) / Path(folder).name / f"reference-{key}.npy"
+        if not path.is_file():
+            return f"{path.name}\tmissing"
+        if (damaged := reference_problem(path)) is not None:  # truncated or changed: named, not numpy's traceback
+            return f"{damaged}\tdamaged"
+        if unscored(np.load(path, mmap_mode="r"), splits, True):
+            return f"{path.name}\tfound"
+    return ""
+
+
+def _example_sets(splits: list[ExampleRows]) -> list[list[ExampleRows]]:
+    """The splits grouped by the example set they cut (a held-out tail shares the training pairs' set and file)."""
+    groups: list[list[ExampleRows]] = []
+    for rows in splits:
+        group = next((g for g in groups if g[0].examples is rows.examples), None)
+        if group is None:
+            groups.append([rows])
+        elif rows is not group[0]:
+            group.append(rows)
+    return groups
+
+
+def unscored(values: np.ndarray, splits: list[ExampleRows], found: bool) -> list[ExampleRows]:
+    """The splits with pairs the values lack: NaN (never scored), or, in a file, a split left all zero (written
+    before a validation tail held out of the training pairs was scored)."""
+    return [rows for rows in splits if np.isnan(values[rows.ids]).any()
+            or (found and len(rows.ids) > 0 and not values[rows.ids].any())]
+
+
+def missing_reference(name: str, found: bool) -> ShardlmError:
+    why = ("lack some of its pairs (written by an earlier shardlm, which did not score a validation tail held "
+           "out of the training pairs)" if found else "are missing: the base model changed since the run "
+           "started, or the token cache was cleared")
+    return ShardlmError(f"the reference log-probabilities of this run ({name}) {why}. The reference is the model "
+                        "this run started from; start over with checkpoint.resume=none (or a new out_dir).")
+
+
+def live_reference_changed(cfg: Config) -> ShardlmError:
+    return ShardlmError("preference.reference=live rebuilds the model this run started from, but "
+                        f"model.name={cfg.model.name} with train.seed={cfg.train.seed} is not it "
+                        "(the base's files or the seed changed since). Resume with the original base "
+                        "and seed, or start over with checkpoint.resume=none.")
