@@ -38,7 +38,16 @@ from shardlm.models.hf_config import check_packing
 from shardlm.models.preference import OBJECTIVES, REFERENCE_FREE
 from shardlm.observe import tracking
 from shardlm.training.optim import optimizers
-from shardlm.training.preference import check_objective, damaged_reference, initial_key, pair_rows, reference_key
+from shardlm.training.preference import (
+    check_objective,
+    damaged_reference,
+    initial_key,
+    live_reference_changed,
+    missing_reference,
+    pair_rows,
+    reference_key,
+    unscored,
+)
 from shardlm.training.schedule import check_schedule
 
 OnMain = Callable[[Callable[[], str]], str]  # Dist.run_on_main: rank 0 does it, every rank gets its result or error
@@ -216,25 +225,3 @@ def _example_sets(splits: list[ExampleRows]) -> list[list[ExampleRows]]:
         elif rows is not group[0]:
             group.append(rows)
     return groups
-
-
-def unscored(values: np.ndarray, splits: list[ExampleRows], found: bool) -> list[ExampleRows]:
-    """The splits with pairs the values lack: NaN (never scored), or, in a file, a split left all zero (written
-    before a validation tail held out of the training pairs was scored)."""
-    return [rows for rows in splits if np.isnan(values[rows.ids]).any()
-            or (found and len(rows.ids) > 0 and not values[rows.ids].any())]
-
-
-def missing_reference(name: str, found: bool) -> ShardlmError:
-    why = ("lack some of its pairs (written by an earlier shardlm, which did not score a validation tail held "
-           "out of the training pairs)" if found else "are missing: the base model changed since the run "
-           "started, or the token cache was cleared")
-    return ShardlmError(f"the reference log-probabilities of this run ({name}) {why}. The reference is the model "
-                        "this run started from; start over with checkpoint.resume=none (or a new out_dir).")
-
-
-def live_reference_changed(cfg: Config) -> ShardlmError:
-    return ShardlmError("preference.reference=live rebuilds the model this run started from, but "
-                        f"model.name={cfg.model.name} with train.seed={cfg.train.seed} is not it "
-                        "(the base's files or the seed changed since). Resume with the original base "
-                        "and seed, or start over with checkpoint.resume=none.")

@@ -105,11 +105,8 @@ class Preference:
         else:
             cfg = src.cfg
             self.key = initial_key(src)
-            if self.resumed_key is not None and self.resumed_key != self.key:
-                raise ShardlmError("preference.reference=live rebuilds the model this run started from, but "
-                                   f"model.name={cfg.model.name} with train.seed={cfg.train.seed} is not it "
-                                   "(the base's files or the seed changed since). Resume with the original base "
-                                   "and seed, or start over with checkpoint.resume=none.")
+            if self.resumed_key is not None and self.resumed_key != self.key:  # checked before the run, too
+                raise live_reference_changed(cfg)
             if lora.enabled(cfg.lora):
                 src.dist.print("reference: live, the policy with its LoRA adapters off (no second copy)")
             else:
@@ -294,6 +291,29 @@ def prepare_reference(source: ReferenceSource, store: bool = True) -> dict[str, 
     return arrays
 
 
+def missing_reference(name: str, found: bool) -> ShardlmError:
+    """A resumed run's stored reference that is gone, or lacks pairs (shardlm.training.checks refuses it first)."""
+    why = ("lack some of its pairs (written by an earlier shardlm, which did not score a validation tail held "
+           "out of the training pairs)" if found else "are missing: the base model changed since the run "
+           "started, or the token cache was cleared")
+    return ShardlmError(f"the reference log-probabilities of this run ({name}) {why}. The reference is the model "
+                        "this run started from; start over with checkpoint.resume=none (or a new out_dir).")
+
+
+def live_reference_changed(cfg) -> ShardlmError:
+    return ShardlmError("preference.reference=live rebuilds the model this run started from, but "
+                        f"model.name={cfg.model.name} with train.seed={cfg.train.seed} is not it "
+                        "(the base's files or the seed changed since). Resume with the original base "
+                        "and seed, or start over with checkpoint.resume=none.")
+
+
+def unscored(values: np.ndarray, splits: list[ExampleRows], found: bool) -> list[ExampleRows]:
+    """The splits with pairs the values lack: NaN (never scored), or, in a file, a split left all zero (written
+    before a validation tail held out of the training pairs was scored)."""
+    return [rows for rows in splits if np.isnan(values[rows.ids]).any()
+            or (found and len(rows.ids) > 0 and not values[rows.ids].any())]
+
+
 def damaged_reference(why: str) -> ShardlmError:
     """A stored reference that cannot be read back after the first step (`reference_problem`'s words)."""
     return ShardlmError(f"{why}: the reference log-probabilities of this run cannot be read back. The reference is "
@@ -313,19 +333,11 @@ def _reference_values(source: ReferenceSource, key: str, splits: list[ExampleRow
         dist.print(f"warning: {damaged}: the reference is scored again")
         found = False
     values = np.load(path) if path is not None and found else np.full((len(examples), 2), np.nan)
-    for rows in splits:
-        if found and len(rows.ids) and not values[rows.ids].any():  # a split left at zero, never scored
-            values[rows.ids] = np.nan
-    missing = [rows for rows in splits if np.isnan(values[rows.ids]).any()]
+    missing = unscored(values, splits, found)
     if not missing:
         return values
-    if source.step > 0:
-        name = path.name if path else "in memory"
-        why = ("lack some of its pairs (written by an earlier shardlm, which did not score a validation tail held "
-               "out of the training pairs)" if found else "are missing: the base model changed since the run "
-               "started, or the token cache was cleared")
-        raise ShardlmError(f"the reference log-probabilities of this run ({name}) {why}. The reference is the model "
-                           "this run started from; start over with checkpoint.resume=none (or a new out_dir).")
+    if source.step > 0:  # a resume (shardlm.training.checks refused it before, unless the file went since)
+        raise missing_reference(path.name if path else "in memory", found)
     n = sum(len(rows.ids) for rows in missing)
     dist.print(f"reference: scoring the {n:,} pair{'s' * (n != 1)} of {examples.meta['source']} with the initial "
                "model (once; stored beside the example cache)")
