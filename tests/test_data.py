@@ -584,11 +584,12 @@ def test_a_large_file_is_summed_by_chunks_spread_over_it_first_and_last_included
 def test_counts_are_said_in_the_datas_own_units(tmp_path):
     """A pairs file too small for a batch is counted in pairs and rows, not 'blocks of 128 tokens'; one pair is
     'pair'."""
-    from shardlm.config import DataConfig
+    from shardlm.config import DataConfig, load_config
     from shardlm.data import ExampleRows, TokenBlocks
     from shardlm.data.blocks import counted
     from shardlm.data.examples import build_examples, load_examples
     from shardlm.observe.metrics import describe_val
+    from shardlm.training.checks import count_steps
 
     rows = [{"prompt": f"say {i}", "chosen": f" {i}", "rejected": f" {i + 1}"} for i in range(3)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -598,6 +599,10 @@ def test_counts_are_said_in_the_datas_own_units(tmp_path):
     assert logs[-1].startswith("rendered 3 pairs (6 sequences) into "), logs
     split = ExampleRows(pairs, 128, 0, None, False, "truncate", "pairs.jsonl")
     assert counted(split, len(split), 128) == "3 pairs in 3 rows of up to 128 tokens"
+    with pytest.raises(ShardlmError, match=r"^the training data has 3 pairs in 3 rows of up to 128 tokens, fewer "
+                                           r"than one global batch of 8 \(= 1 device x train.batch_size=8 x .*"
+                                           r"Use more data or lower train.batch_size\.$"):
+        count_steps(load_config(None, ["train.batch_size=8", "data.seq_len=128"]), split, 1)
     assert counted(TokenBlocks(np.zeros(300, dtype=np.uint16), 128), 2, 128) == "2 blocks of 128 tokens"
     one = {"loss": 0.69, "rewards/accuracy": 1.0, "rewards/margin": 0.1, "rewards/chosen": 0.1,
            "rewards/rejected": 0.0, "pairs": 1, "tokens": 9}
