@@ -79,6 +79,15 @@ def test_sweep_errors_come_first_in_one_line(corpus, cache_dir, tmp_path, capsys
         assert not out.exists()
 
 
+def test_a_sweep_whose_trials_all_failed_exits_with_their_error(corpus, cache_dir, tmp_path, monkeypatch):
+    """It printed "no trial completed" and exited 0 (a script went on as if it had a result)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    opts = SweepOptions(params=["train.batch_size=int:100000:100001"], trials=1, quiet=True)  # data, not settings
+    with pytest.raises(ShardlmError, match=r"no trial completed: the last 1 failed, the last with: the training data "
+                                           r"has [\d,]+ blocks .* fewer than one global batch"):
+        run_sweep([], [o for o in tiny(corpus, cache_dir, tmp_path / "sweep") if "batch_size" not in o], opts)
+
+
 def test_a_run_folder_or_a_busy_sweep_is_refused(corpus, cache_dir, tmp_path):
     run = tmp_path / "run"
     run.mkdir()

@@ -227,6 +227,9 @@ def run_sweep(config: list[str], overrides: list[str], opts: SweepOptions) -> in
                                    f"base config or the --param ranges (each trial's output: {out}/trial_NNNN/"
                                    "train.log); rerunning the command goes on with new trials.")
     print(table(study, params, definition), flush=True)
+    if failures and _best(study) is None:  # a sweep that measured nothing has not succeeded
+        raise ShardlmError(f"no trial completed: the last {len(failures)} failed, the last with: {failures[-1]} Fix "
+                           "the base config or the --param ranges; rerunning the command goes on with new trials.")
     _closing(out, study, definition)
     return 0
 
