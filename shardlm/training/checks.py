@@ -182,8 +182,8 @@ def check_resume(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, resumed: 
     if not saved["step"]:
         return
     run = SimpleNamespace(cfg=cfg, hf_config=hf_cfg)  # what the reference's keys read of a run
-    if cfg.preference.reference == "live":
-        if saved["reference_key"] is not None and saved["reference_key"] != initial_key(run):
+    if cfg.preference.reference == "live":  # the initial model's key hashes a base's files: once, on rank 0
+        if on_main(lambda: "changed" if saved["reference_key"] not in (None, initial_key(run)) else ""):
             raise live_reference_changed(cfg)
         return
     problem = on_main(lambda: _stored_reference(cfg, reference_key(run), train, val))
