@@ -172,12 +172,12 @@ def test_every_refusal_is_the_same_in_the_run_and_its_dry_run(row, corpus, tmp_p
 
 
 @pytest.fixture(scope="module")
-def finished_runs(corpus, tmp_path_factory):
-    """Two-step runs with their final checkpoint: on text (adamw), and DPO on pairs with the reference precomputed
-    and live; a cache of their own (a test takes the stored reference away)."""
+def finished_runs(tmp_path_factory):
+    """Two-step DPO runs on pairs with their final checkpoint, the reference precomputed and live; a cache of their
+    own (a test takes the stored reference away)."""
     root = tmp_path_factory.mktemp("finished")
     (root / "pairs.jsonl").write_text(_pairs(60))
-    runs = {"text": tiny(corpus, root / "cache", root / "text", **{"train.max_steps": 2})}
+    runs = {}
     for mode in ("precomputed", "live"):
         runs[mode] = tiny(root / "pairs.jsonl", root / "cache", root / mode, **{
             "train.max_steps": 2, "train.batch_size": 4, "data.seq_len": 64, "model.chat_template": "chatml",
@@ -193,8 +193,8 @@ def finished_runs(corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("row, run, extra", [
-    ("26", "text", ["model.n_layer=3"]),  # another architecture
-    ("152", "text", ["train.optimizer=sgd"]),  # another optimizer's state
+    ("26", "precomputed", ["model.n_layer=3"]),  # another architecture
+    ("152", "precomputed", ["train.optimizer=sgd"]),  # another optimizer's state
     ("135", "precomputed", []),  # the stored reference is gone
     ("156", "live", ["train.seed=7"]),  # a live reference would rebuild another initial model
 ])
