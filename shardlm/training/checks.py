@@ -2,13 +2,14 @@
 run, `shardlm train --dry-run` (shardlm.preflight.dryrun) on counted data and a model on `meta`, so what one
 refuses the other refuses with the same message. In the run's order:
 
-- `check_setup`, before the tokenizer: the trackers' libraries, QLoRA's device and plan, the optimizer (its name,
-  arguments and library), out_dir, and the optimizer of the checkpoint the run would resume;
+- `check_setup`, before the tokenizer: `check_settings` (the trackers' libraries, QLoRA's device and plan, the
+  optimizer's name, arguments and library, the schedule's names: what `shardlm sweep` checks of each value it will
+  try), out_dir, and the optimizer of the checkpoint the run would resume;
 - `check_data`, once the blocks are cut: packing on the model's family, the objective against the data (pairs
   for dpo/ipo/simpo/orpo, none for sft), one global batch, the schedule against the run's steps;
 - `check_resume`, where a checkpoint would be resumed: a preference run's reference is the one it started with.
 
-The model's config (shardlm.models.causal_lm `model_config`), the checkpoint against the config (`check_resumable`,
+The model's config (shardlm.models.hf_config `model_config`), the checkpoint against the config (`check_resumable`,
 at load, before anything is written) and train.gen_every's needs (shardlm.inference.genquality
 `check_generation`, a layer above this one) are shared the same way: one function each, called by both.
 """
@@ -16,6 +17,7 @@ at load, before anything is written) and train.gen_every's needs (shardlm.infere
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,8 +53,6 @@ from shardlm.training.preference import (
 from shardlm.training.schedule import check_schedule
 
 OnMain = Callable[[Callable[[], str]], str]  # Dist.run_on_main: rank 0 does it, every rank gets its result or error
-
-
 PAIR_REFERENCE = tuple(o for o in OBJECTIVES if o != "sft" and o not in REFERENCE_FREE)  # dpo, ipo
 
 
@@ -63,8 +63,6 @@ def _here(fn: Callable[[], str]) -> str:
 def check_out_dir(path: str) -> Path:
     """`out_dir` as a Path, checked but not created: a command that fails before training leaves nothing
     behind (the folder is made by the first thing a run writes)."""
-    import os
-
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise ShardlmError(f"out_dir '{out}' is a file, not a folder. Choose another out_dir.")
