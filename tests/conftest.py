@@ -34,6 +34,15 @@ def _device_of_the_test(request):
     helpers._device = "cpu"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_session_folder(tmp_path_factory):
+    """The session's and modules' fixtures (reference runs, bases) run outside the checkout too: before any
+    test's own folder exists, in one of the session's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("session-cwd"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _own_folder(tmp_path_factory, monkeypatch):
     """Each test runs in an empty folder of its own, so what the checkout holds (a `runs/` made by `make demo`, a
