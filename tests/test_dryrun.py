@@ -76,7 +76,7 @@ FILES = {  # name -> contents, written into the case's folder
     "mesages.jsonl": _jsonl({"mesages": CHAT}), "nomsg.jsonl": _jsonl({"messages": []}),
     "mixed.jsonl": _jsonl({"messages": CHAT}, {"prompt": "a", "completion": "b"}),
     "long.jsonl": _jsonl({"messages": [CHAT[0], {"role": "assistant", "content": "x" * 200}]}),
-    "pairs.jsonl": _pairs(), "oneside.jsonl": _jsonl({"prompt": "a", "chosen": "b"}),
+    "pairs.jsonl": _pairs(), "oneside.jsonl": _jsonl({"prompt": "a", "chosen": "b"}), "more.txt": "To be. " * 3000,
 }
 
 CATALOGUE = {  # row: overrides (FILE: a file of FILES; HF / OPT: the tiny model folders below)
@@ -98,6 +98,7 @@ CATALOGUE = {  # row: overrides (FILE: a file of FILES; HF / OPT: the tiny model
     "126": ["data.train=FILE:short.txt", "data.format=chat"],
     "127": ["model.name=OPT", "data.train=FILE:chat.jsonl", "model.chat_template=chatml", "data.seq_len=32"],
     "128": ["data.train=FILE:chat.jsonl", "model.chat_template=chatml", "train.gen_every=1"],
+    "128-mixture": ["data.train=[CORPUS,FILE:more.txt]", "train.gen_every=1"],
     "132": ["data.train=FILE:oneside.jsonl", "data.format=preference"],
     "133-sft": ["data.train=FILE:pairs.jsonl", "model.chat_template=chatml", "data.seq_len=64"],
     "133-dpo": ["train.objective=dpo"],
@@ -151,7 +152,7 @@ def refusal(argv: list[str]) -> str:
 def test_every_refusal_is_the_same_in_the_run_and_its_dry_run(row, corpus, tmp_path, model_folders, monkeypatch):
     """`--dry-run` makes the run's checks (one list, shardlm.training.checks): what `shardlm train` refuses before
     its first step, the dry run refuses with the same message, and writes nothing."""
-    if row == "128" or row.startswith("113"):
+    if row.startswith(("113", "128")):
         pytest.importorskip("mauve")
     monkeypatch.chdir(tmp_path)
     for name, text in FILES.items():
