@@ -38,17 +38,17 @@ import torch
 
 from shardlm import ShardlmError
 from shardlm.checkpoint.provenance import arch_of, base_identity
-from shardlm.data import Batch, ExampleRows, MixtureBlocks, eval_shares
+from shardlm.data import Batch, ExampleRows, MixtureBlocks
 from shardlm.data.examples import reference_problem, save_reference
 from shardlm.models import lora
 from shardlm.models.preference import REFERENCE_FREE, pair_losses
+from shardlm.training.validate import Share, Validator
 
 if TYPE_CHECKING:
     from shardlm.config import Config
     from shardlm.distributed.parallelize import Plan
     from shardlm.distributed.process_group import Dist
     from shardlm.models.causal_lm import CausalLM
-    from shardlm.training.validate import Share
 
 STATS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin", "logps/chosen", "logps/rejected")
 
@@ -256,13 +256,11 @@ def score_all(model, rows: ExampleRows, dist, batch: int, autocast) -> np.ndarra
     """Every answer's log-probability under `model`: (units of the example set, 2), each rank a share of rows."""
     out = torch.zeros((len(rows.examples), 2), dtype=torch.float64, device=dist.device)
     model.eval()
-    for indices in eval_shares(len(rows), dist.rank, dist.world_size, batch, 0):
-        valid = indices >= 0
-        b = rows.batch(np.where(valid, indices, 0)).to(dist.device)
-        assert b.units is not None
+    for b, share in Validator(dist, batch).batches(rows):
+        assert b.units is not None and b.segments is not None
         with autocast():
             logps, _ = model.sequence_logps(b.inputs, b.targets, b.positions, b.segments, 2 * len(b.units))
-        keep = torch.from_numpy(np.repeat(valid, [len(rows.rows[r]) for r in np.where(valid, indices, 0)]))
+        keep = torch.from_numpy(np.repeat(share.valid, [len(rows.rows[r]) for r in share.indices]))
         units = b.units[keep.to(b.units.device)]
         out[units] = logps.view(-1, 2)[keep.to(logps.device)].double()
     dist.all_reduce_sum(out)

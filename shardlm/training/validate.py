@@ -15,7 +15,7 @@ brings its own and reuses the loop, the sharding over ranks and the padding rule
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -99,22 +99,27 @@ class Validator:
     @torch.no_grad()
     def validate(self, model: nn.Module, rows: Rows, scorer: Scorer) -> dict[str, Any]:
         device = self.dist.device
-        load = self.load or to_device(device)
         model.eval()
         sums = torch.zeros(len(scorer.fields), device=device, dtype=torch.float64)
-        for indices in eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch, self.max_batches):
-            valid = indices >= 0
-            real = np.where(valid, indices, 0)
-            batch = load(rows, real)
+        for batch, share in self.batches(rows):
             with self.autocast():
-                got = scorer.sums(model, batch, Share(rows, real, valid))
+                got = scorer.sums(model, batch, share)
             sums += torch.stack([torch.as_tensor(got[k], device=device).double() for k in scorer.fields])
             if device.type == "xla":  # one graph per batch, not one growing over the whole evaluation
                 xla.sync()
             if self.on_batch is not None:
-                self.on_batch(rows.targets(indices[valid]))
+                self.on_batch(rows.targets(share.indices[share.valid]))
         totals = self.dist.all_reduce_sum(sums).tolist()
         return scorer.result(dict(zip(scorer.fields, totals, strict=True)))
+
+    def batches(self, rows: Rows) -> Iterator[tuple[Batch, Share]]:
+        """This rank's batches of `rows` on the device, each with its Share: what `validate` scores, and what
+        scores per sequence read (a preference reference's log-probabilities)."""
+        load = self.load or to_device(self.dist.device)
+        for indices in eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch, self.max_batches):
+            valid = indices >= 0
+            real = np.where(valid, indices, 0)
+            yield load(rows, real), Share(rows, real, valid)
 
 
 def scoring_model(hf_model: nn.Module, loss_chunk: int) -> CausalLM:
