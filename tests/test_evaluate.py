@@ -170,3 +170,22 @@ def test_eval_scores_what_the_run_validated_and_transformers_does(arch, data, co
         stream = _validation_tails(load_config(None, [*args, f"data.val={short}"]), model_tokenizer(cfg.model),
                                    torch.device("cpu"), exported=False)[0]
         assert strided["loss"] == pytest.approx(stride_loss(hf, stream, 64, 24), rel=1e-5)
+
+
+def test_pairs_of_an_export_score_with_a_reference_free_objective_only(hf_folder, tmp_path):
+    """An exported folder records no reference (the model a run started from): dpo is refused in one line, simpo
+    scores every pair through the same evaluation as a run's validation."""
+    import json
+
+    from shardlm.inference.evaluate import evaluate_path
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Q{i}?", "chosen": " yes", "rejected": " no"}) + "\n"
+                             for i in range(8)))
+    data = [f"data.val={pairs}", f"data.cache_dir={tmp_path / 'cache'}", "data.seq_len=32"]
+    with pytest.raises(ShardlmError, match="train.objective=dpo scores pairs against the reference, the model a run "
+                                           "started from: an exported folder does not record it"):
+        evaluate_path(str(hf_folder), [*data, "train.objective=dpo"])
+    got = evaluate_path(str(hf_folder), [*data, "train.objective=simpo"])
+    assert got["pairs"] == 8 and got["tokens"] == got["held_out_tokens"] > 0
+    assert got["rewards/margin"] == pytest.approx(got["rewards/chosen"] - got["rewards/rejected"], abs=1e-6)
