@@ -5,6 +5,10 @@
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
 # make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~7.7 GB from PyPI, ~3 min
 #   to install here, so not part of `make test`), then tests/test_xla.py on XLA:CPU through PJRT (~4 min on 2 cores).
+# make test-lowest-torch: the lowest torch pyproject declares (torch>=2.9), which is .venv-xla's 2.9.0, on a smoke
+#   subset: each optimizer trains, shards over 2 ranks and resumes exactly (the sync-free and the synchronous update,
+#   a resume onto another implementation), bf16 on CPU, kill -9 and an exact resume, export. CI runs both after
+#   `make test` (.ci/run).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -21,7 +25,13 @@ XLA_VENV ?= .venv-xla
 TEST_VENV ?= .venv-test
 TEST_PY := $(TEST_VENV)/bin/python
 
-.PHONY: install install-test demo test lint clean gpu-check test-xla
+# The smoke subset on the lowest declared torch (make test-lowest-torch): 18 tests, 14 min on 2 cores under a load
+# of ~11 (other jobs), so a few minutes on an idle machine; the schedules' own tests are left out (no torch in them)
+LOWEST_TORCH_TESTS ?= tests/test_optimizers.py tests/test_step.py \
+  tests/test_checkpoint.py::test_kill_after_save_resumes_bit_exact tests/test_export.py::test_export_generate_eval_round_trip
+LOWEST_TORCH_SKIP ?= wsd_extended or schedules_equal
+
+.PHONY: install install-test demo test lint clean gpu-check xla-venv test-xla test-lowest-torch
 
 # The venv's own .gitignore (`*`, as Python 3.13's venv writes) keeps it out of git, whatever its name.
 $(PY):
@@ -62,12 +72,22 @@ test: lint
 gpu-check:
 	@py=$(PY); $$py -c "import torch" 2>/dev/null || py=python3; $$py benchmarks/gpu_check.py $(ARGS)
 
-test-xla:
+# torch and torch-xla first (torch-xla pins its torch), then the project and schedulefree; not torchao: the
+# releases shardlm takes (>= 0.17) need torch >= 2.10, and on 2.9 their import fails, PEFT's LoRA's with it
+xla-venv:
 	@test -x $(XLA_VENV)/bin/python || python3 -m venv $(XLA_VENV)
 	@$(XLA_VENV)/bin/python -c "import torch_xla" 2>/dev/null || \
 	  $(XLA_VENV)/bin/pip install -q torch==2.9.0 torch-xla==2.9.0
-	$(XLA_VENV)/bin/pip install -q -e . pytest
+	$(XLA_VENV)/bin/pip install -q -e . pytest "schedulefree>=1.4"
+
+test-xla: xla-venv
 	PJRT_DEVICE=CPU CPU_NUM_DEVICES=2 $(XLA_VENV)/bin/python -m pytest -p no:cacheprovider tests/test_xla.py
+
+# Fails when pyproject's lower bound moves and this venv's torch does not follow: what is declared is what is tested
+test-lowest-torch: xla-venv
+	$(XLA_VENV)/bin/python -c "import re, torch; low = re.search(r'\"torch>=([0-9.]+)\"', open('pyproject.toml').read())[1]; \
+	  assert torch.__version__.startswith(low + '.'), f'torch {torch.__version__} is not the lowest declared, {low}'"
+	$(XLA_VENV)/bin/python -m pytest -p no:cacheprovider $(LOWEST_TORCH_TESTS) -k "not ($(LOWEST_TORCH_SKIP))"
 
 clean:
 	rm -rf $(VENV) $(TEST_VENV) $(XLA_VENV) runs .pytest_cache

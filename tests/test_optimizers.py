@@ -34,6 +34,16 @@ OPTIMIZERS = {
 }
 
 
+def torchao_missing() -> str | None:
+    """Why adamw8bit cannot run here: torchao is not installed (the lowest-torch venv: its releases shardlm takes
+    need torch >= 2.10) or does not import; None where it runs."""
+    from shardlm.training.optim.variants import import_problem
+
+    if importlib.util.find_spec("torchao") is None:
+        return f"torchao is not installed (0.17 needs torch >= 2.10; this is {torch.__version__})"
+    return import_problem("torchao.optim")
+
+
 class Keep:
     """A callback that keeps the trainer (its run, optimizer and model) of an in-process run."""
 
@@ -59,6 +69,8 @@ def _ckpt(run, step: int):
 def test_each_optimizer_trains_shards_and_resumes_exactly(name, corpus, cache_dir, tmp_path, keep_signal_handlers):
     """Loss falls; 2 ranks = 1 process (Muon over 20 steps, each matrix orthogonalized whole by its owner rank);
     a resume is bit-exact on the same world size and equal to rounding on another."""
+    if name == "adamw8bit" and (why := torchao_missing()):
+        pytest.skip(why)
     steps = 20 if name == "muon" else 8
     half = steps // 2
 
@@ -216,6 +228,8 @@ def test_state_bytes_counted_and_estimated():
     model = CausalLM(GPT2LMHeadModel(byte_gpt2_config(n_embd=128, n_layer=2, n_head=2, vocab_size=320)))
     held = {}
     for name in ("adamw", "adamw8bit", "adafactor", "muon", "sgd", "schedule_free_adamw"):
+        if name == "adamw8bit" and torchao_missing():
+            continue
         cfg = load_config(None, [f"train.optimizer={name}"])
         opt = optimizers.build_optimizer(model, cfg)
         for p in model.parameters():
@@ -226,7 +240,7 @@ def test_state_bytes_counted_and_estimated():
         assert predicted == pytest.approx(held[name], rel=0.02), (name, label)
     for p in model.parameters():
         p.grad = None
-    assert held["adamw8bit"] / held["adamw"] < 0.3
+    assert "adamw8bit" not in held or held["adamw8bit"] / held["adamw"] < 0.3
     assert held["adafactor"] / held["adamw"] < 0.05 and held["sgd"] / held["adamw"] == pytest.approx(0.5, rel=0.01)
 
 
@@ -310,6 +324,20 @@ def test_bad_input_is_one_line(corpus, cache_dir, tmp_path, monkeypatch, keep_si
     assert "needs the torchao package, which is not installed: pip install torchao" in error(
         "train.optimizer=adamw8bit")
     monkeypatch.undo()
+    if importlib.util.find_spec("torchao") is not None:  # installed, built for another torch (0.18 on torch 2.9)
+        real_import = importlib.import_module
+
+        def broken(name, *args):
+            if name.startswith("torchao"):
+                raise ImportError("cannot import name 'ScalingType' from 'torch.nn.functional'")
+            return real_import(name, *args)
+
+        monkeypatch.setattr(importlib, "import_module", broken)
+        assert "needs the torchao package, which is installed but does not import with torch " \
+               f"{torch.__version__} (ImportError: cannot import name 'ScalingType' from 'torch.nn.functional'): " \
+               "install a torchao built for this torch (torchao 0.17 needs torch >= 2.10, 0.18 torch >= 2.11)" in error(
+                   "train.optimizer=adamw8bit")
+        monkeypatch.undo()
 
     def schedule(cfg):
         check_schedule(cfg.train, 30)

@@ -30,7 +30,7 @@ from shardlm.training.optim.adamw import ShardLocalAdamW, fused_on
 from shardlm.training.optim.base import KeepsImplementation
 from shardlm.training.optim.muon import Muon
 from shardlm.training.optim.update import UpdatePlan, plan_update
-from shardlm.training.optim.variants import Adafactor, adamw8bit, schedule_free_adamw
+from shardlm.training.optim.variants import Adafactor, adamw8bit, import_problem, schedule_free_adamw
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit", "adafactor", "schedule_free_adamw", "sgd")
 # Other trainers' names (HF Trainer's `optim`, ...), keyed as config.checks.choice_key spells them
@@ -54,6 +54,9 @@ MUON_KEYS = {"muon_lr": None, "muon_momentum": 0.95, "muon_adjust_lr": "match_rm
 ADJUST_LR = ("match_rms_adamw", "original")
 INSTALL = {"adamw8bit": ("torchao", "pip install torchao (or pip install 'shardlm[optim]')"),
            "schedule_free_adamw": ("schedulefree", "pip install schedulefree (or pip install 'shardlm[optim]')")}
+# what each imports, and which torch its releases need (pip cannot choose a torchao by the torch installed)
+IMPORTS = {"adamw8bit": ("torchao.optim", "torchao 0.17 needs torch >= 2.10, 0.18 torch >= 2.11"),
+           "schedule_free_adamw": ("schedulefree", "")}
 
 
 def optimizer_name(name: str) -> str:
@@ -114,6 +117,11 @@ def check_optimizer(cfg: Config) -> str:
         if importlib.util.find_spec(module) is None:
             raise ShardlmError(f"train.optimizer={name} needs the {module} package, which is not installed: "
                                f"{command}; or choose another train.optimizer (adamw needs nothing more).")
+        imported, needs = IMPORTS[name]
+        if (problem := import_problem(imported)) is not None:
+            raise ShardlmError(f"train.optimizer={name} needs the {module} package, which is installed but does not "
+                               f"import with torch {torch.__version__} ({problem}): install a {module} built for this "
+                               f"torch{f' ({needs})' if needs else ''}, or choose another train.optimizer.")
     return name
 
 

@@ -9,6 +9,7 @@ know, and a resume restores x and z, from which y follows exactly as in the run 
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -111,6 +112,16 @@ class Adafactor(KeepsImplementation, torch.optim.Adafactor):
 
 
 # ---- 8-bit AdamW (torchao) and schedule-free AdamW (schedulefree) ------------------------------------------------
+def import_problem(module: str) -> str | None:
+    """Why `module` does not import here, None when it does: an installed library built for another torch fails
+    at import (torchao 0.18 on torch 2.9: `cannot import name 'ScalingType'`), so the import itself is the check."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - whatever a library's import raises, the answer is the same
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return None
+
+
 def adamw8bit(groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
     """torchao's AdamW8bit, its compiled per-parameter update run on the local shards (torchao passes DTensors:
     slower, and on CPU inductor's cache handed one rank's kernel, compiled for its shard's size, to another),
