@@ -52,10 +52,11 @@ def test_dry_run_of_a_finished_run_says_it_would_train_nothing(corpus, cache_dir
 
 
 # ---- the errors catalogue (docs/errors.md) through both: `shardlm train` and `shardlm train --dry-run` ----------
-# Every refusal that needs no training, by its row. Left out, and why: 20, 25, 101, 104 (a GPU, root, torch_xla);
-# 21 (3 launched ranks); 23, 34, 35 (the Hub: a dry run names an unreachable hub model or dataset instead of failing);
-# 27, 28, 30, 51 (they happen while training); 57, 59 (LoRA checkpoints: test_lora); 124, 136, 137 (families or
-# templates built in their own files: test_examples, test_families).
+# Every refusal of `shardlm train` that needs no training, by its row; the resumes of a trained run further down.
+# Left out, and why: 20, 25, 101, 104, 105 (a GPU, root, torch_xla, bitsandbytes); 21 (3 launched ranks); 23, 34,
+# 35 (the Hub: a dry run names an unreachable hub model or dataset instead of failing); 7, 52, 114 (argparse and
+# override syntax, before either); 27, 28, 30, 51 (while training); 57, 59 (LoRA checkpoints: test_lora); 124, 136,
+# 137 (families or templates of their own: test_examples, test_families); the rows of other commands and warnings.
 CHAT = [{"role": "user", "content": "Reverse: ab"}, {"role": "assistant", "content": "ba"}]
 
 
@@ -77,10 +78,21 @@ FILES = {  # name -> contents, written into the case's folder
     "mixed.jsonl": _jsonl({"messages": CHAT}, {"prompt": "a", "completion": "b"}),
     "long.jsonl": _jsonl({"messages": [CHAT[0], {"role": "assistant", "content": "x" * 200}]}),
     "pairs.jsonl": _pairs(), "oneside.jsonl": _jsonl({"prompt": "a", "chosen": "b"}), "more.txt": "To be. " * 3000,
+    "bad.yaml": "train:\n  lr: [1,\n  x: 2\n", "list.yaml": "- a\n- b\n", "section.yaml": "train: 5\n",
+    "key.yaml": "train:\n  lrr: 1\n", "norun/notes.txt": "no checkpoint here",
 }
 
 CATALOGUE = {  # row: overrides (FILE: a file of FILES; HF / OPT: the tiny model folders below)
-    "1": ["train.batchsize=8"], "5": ["parallel.sharding=ful"], "6": ["train.batch_size=0"],
+    "1": ["train.batchsize=8"], "2": ["trian.lr=1"], "3": ["FILE:key.yaml"], "4": ["train.batch_size=abc"],
+    "5": ["parallel.sharding=ful"], "6": ["train.batch_size=0"], "8": ["data.seq_len=512", "model.n_positions=256"],
+    "37": ["checkpoint.export_final=true", "checkpoint.save_final=false"], "41": ["FILE:bad.yaml"],
+    "42": ["FILE:list.yaml"], "43": ["FILE:section.yaml"], "55": ["lora.r=4"], "65": ["--callback=nosuch:X"],
+    "92": ["shakespear"], "95": ["data.train=[CORPUS,CORPUS]", "data.weights=[1,2,3]"],
+    "96": ["data.train=[CORPUS,CORPUS]", "data.weights=[1,-0.5]"], "97": ["data.train=[CORPUS,CORPUS]",
+                                                                           "data.weights=[0,0]"],
+    "98": ["data.weights=[1]"], "110": ["lr=1e-4"], "116": ["checkpoint.resume=FILE:norun"],
+    "130": ["data.format=chats"], "156": ["preference.reference=livee"],
+    "157": ["train.objective=simpo", "preference.rpo_alpha=0.5"],
     "10": ["data.train=FILE:nope.txt"], "11": ["data.train=FILE:empty.txt"], "12": ["data.train=FILE:nul.txt"],
     "14": ["data.train=FILE:a.csv"], "15": ["data.train=FILE:bad.jsonl"], "16": ["data.train=FILE:body.jsonl"],
     "17": ["data.train=FILE:a.pdf"], "18": ["train.batch_size=100000"], "19": ["parallel.precision=fp16"],
@@ -156,6 +168,7 @@ def test_every_refusal_is_the_same_in_the_run_and_its_dry_run(row, corpus, tmp_p
         pytest.importorskip("mauve")
     monkeypatch.chdir(tmp_path)
     for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
 
     def resolved(value: str) -> str:
