@@ -6,21 +6,29 @@ import signal
 
 import pytest
 
-from helpers import shardlm_cli, tiny, train_in_process
+from helpers import tiny, train_in_process
 from shardlm import ShardlmError
 from shardlm.config import load_config
 
 
-def test_dry_run_fails_where_the_run_fails_validation_shorter_than_a_block(tmp_path):
-    """`--dry-run` said "the config is valid" for data whose held-out tail is shorter than one block."""
+def test_dry_run_fails_where_the_run_fails_validation_shorter_than_a_block(tmp_path, monkeypatch, capsys):
+    """`--dry-run` said "the config is valid" for data whose held-out tail is shorter than one block. Both print the
+    run's one line and exit 2 (the CLI in this process: nothing here starts a process group)."""
+    from shardlm.cli import main
+
+    def cli(argv: list[str]) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        return e.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "pc.txt").write_text("x" * 900)  # 901 tokens with EOS: a 91-token tail, under 128 + 1
     args = ["train", "data.train=pc.txt", "train.batch_size=2", "out_dir=run", "data.cache_dir=cache"]
-    dry = shardlm_cli([*args, "--dry-run"], check=False, cwd=tmp_path)
-    assert dry.returncode == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["pc.txt"]  # nothing written
-    real = shardlm_cli(args, check=False, cwd=tmp_path)
-    assert real.returncode == 2 and dry.stderr.strip() == real.stderr.strip().splitlines()[-1] == (
-        "error: the validation data (the last 10% of 'pc.txt') has 91 tokens, fewer than one block of "
-        "data.seq_len=128 + 1. Use more data or a smaller data.seq_len, or a larger data.val_fraction.")
+    message = ("error: the validation data (the last 10% of 'pc.txt') has 91 tokens, fewer than one block of "
+               "data.seq_len=128 + 1. Use more data or a smaller data.seq_len, or a larger data.val_fraction.")
+    assert cli([*args, "--dry-run"]) == (2, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pc.txt"]  # nothing written
+    assert cli(args) == (2, message)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -41,14 +49,14 @@ def test_dry_run_makes_the_checks_of_build(corpus, cache_dir, tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_dry_run_of_a_finished_run_says_it_would_train_nothing(corpus, cache_dir, tmp_path):
+def test_dry_run_of_a_finished_run_says_it_would_train_nothing(finished_runs, capsys):
     """The run itself says "nothing to train" when its checkpoint is at the config's last step; so does the dry
     run, instead of reporting the steps it would not train."""
-    args = ["train", *tiny(corpus, cache_dir, tmp_path, **{"train.max_steps": 2})]
-    shardlm_cli(args)
-    assert "nothing to train" not in shardlm_cli([*args, "train.max_steps=3", "--dry-run"]).stdout  # later wins
-    dry = shardlm_cli([*args, "--dry-run"]).stdout
-    assert "nothing to train: the checkpoint is step 2 and this config ends at step 2" in dry, dry
+    run = finished_runs[0]["precomputed"]
+    assert refusal(["resume", str(run), "train.max_steps=3", "--dry-run"]) == ""  # later wins
+    assert "nothing to train" not in capsys.readouterr().out
+    assert refusal(["resume", str(run), "--dry-run"]) == ""
+    assert "nothing to train: the checkpoint is step 2 and this config ends at step 2" in capsys.readouterr().out
 
 
 # ---- the errors catalogue (docs/errors.md) through both: `shardlm train` and `shardlm train --dry-run` ----------
