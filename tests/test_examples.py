@@ -22,7 +22,7 @@ from shardlm.data.packing import ExampleRows, best_fit_decreasing
 from shardlm.data.render import TemplateError, tokenize
 from shardlm.data.sources import resolve
 from shardlm.models.attention import PACKING_FAMILIES, TESTED_FAMILIES
-from shardlm.models.hf_config import check_packing
+from shardlm.models.causal_lm import check_packing
 from shardlm.tokenizer import fingerprint, load_tokenizer, set_chat_template, template_fingerprint
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -210,13 +210,9 @@ def test_packed_rows_give_each_examples_own_loss(tmp_path, arch):
     packed = ExampleRows(examples, 32, packing=True)
     assert len(packed) < 6
     alone = ExampleRows(examples, 32, packing=False)
-    def loss(rows: ExampleRows, r: int) -> torch.Tensor:
-        b = rows.batch(np.array([r]))
-        return model(b.inputs, b.targets, b.positions)[0]
-
     with torch.no_grad():
-        packed_sum = sum(loss(packed, r) for r in range(len(packed)))
-        alone_sum = sum(loss(alone, r) for r in range(len(alone)))
+        packed_sum = sum(model(*packed.batch(np.array([r])))[0] for r in range(len(packed)))
+        alone_sum = sum(model(*alone.batch(np.array([r])))[0] for r in range(len(alone)))
     assert packed.target_tokens == alone.target_tokens == sum(n - n // 2 for n in [9, 14, 5, 20, 11, 7])
     if arch in PACKING_FAMILIES:
         assert packed_sum.item() == pytest.approx(alone_sum.item(), rel=1e-5)
