@@ -22,7 +22,7 @@ from shardlm.data.packing import ExampleRows, best_fit_decreasing
 from shardlm.data.render import TemplateError, tokenize
 from shardlm.data.sources import resolve
 from shardlm.models.attention import PACKING_FAMILIES, TESTED_FAMILIES
-from shardlm.models.causal_lm import check_packing
+from shardlm.models.hf_config import check_packing
 from shardlm.tokenizer import fingerprint, load_tokenizer, set_chat_template, template_fingerprint
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
@@ -101,6 +101,18 @@ def test_mask_equals_transformers_assistant_tokens_mask(name, marked):
     assert (stop <= mask).all() and (stop == mask).all() == (name in ("llama3.jinja", "chatml.jinja"))
     if name == "qwen2_5.jinja":  # the standard ChatML case: the newline after <|im_end|> is the answer's
         assert trained_text(tok, ids, mask) == "\nab<|im_end|>\n\n7<|im_end|>\n"
+
+
+def test_generation_markers_that_mark_no_answer_are_refused():
+    tok = template_tokenizer("chatml.jinja")
+    tok.chat_template += "{% if false %}{% generation %}{% endgeneration %}{% endif %}"
+    with pytest.raises(ShardlmError, match=r"x:1: the chat template's \{% generation %\} blocks mark no token of this "
+                                           r"conversation's answers. Fix the template's markers, or set "
+                                           r"data.answer_end=end_of_turn"):
+        tokenize(tok, to_example({"messages": CONVERSATION}, "messages", "x:1"), "x:1")
+    example = to_example({"messages": CONVERSATION}, "messages", "x:1")
+    ids, mask = tokenize(tok, example, "x:1", answer_end="end_of_turn")  # shardlm finds the answers itself
+    assert trained_text(tok, ids, mask) == "ab<|im_end|>7<|im_end|>"
 
 
 def test_trls_sft_trainer_trains_the_same_tokens(tmp_path):
@@ -210,9 +222,13 @@ def test_packed_rows_give_each_examples_own_loss(tmp_path, arch):
     packed = ExampleRows(examples, 32, packing=True)
     assert len(packed) < 6
     alone = ExampleRows(examples, 32, packing=False)
+    def loss(rows: ExampleRows, r: int) -> torch.Tensor:
+        b = rows.batch(np.array([r]))
+        return model(b.inputs, b.targets, b.positions)[0]
+
     with torch.no_grad():
-        packed_sum = sum(model(*packed.batch(np.array([r])))[0] for r in range(len(packed)))
-        alone_sum = sum(model(*alone.batch(np.array([r])))[0] for r in range(len(alone)))
+        packed_sum = sum(loss(packed, r) for r in range(len(packed)))
+        alone_sum = sum(loss(alone, r) for r in range(len(alone)))
     assert packed.target_tokens == alone.target_tokens == sum(n - n // 2 for n in [9, 14, 5, 20, 11, 7])
     if arch in PACKING_FAMILIES:
         assert packed_sum.item() == pytest.approx(alone_sum.item(), rel=1e-5)
