@@ -1,6 +1,7 @@
 import pytest
 import yaml
 
+from helpers import ROOT
 from shardlm import ShardlmError
 from shardlm.config import all_keys, load_config, save_config
 
@@ -230,3 +231,19 @@ def test_a_bare_key_suggests_the_key_with_that_name(key, suggestion):
     with pytest.raises(ShardlmError) as err:
         load_config(None, [f"{key}=1e-4"])
     assert str(err.value) == f"unknown config key '{key}' in the command line. {suggestion}"
+
+
+def test_a_run_saved_before_answer_end_keeps_the_masks_it_trained_with(tmp_path):
+    """A chat run saved before data.answer_end existed trained to the end-of-turn token: resuming, evaluating or
+    exporting it must not switch it to the new default (its cache, validation loss and DPO reference would
+    change); a user's own config without the key, and a run saved since, get what they say."""
+    from shardlm.checkpoint.layout import read_config
+
+    old = ROOT / "tests" / "data" / "main-edda001" / "run"
+    assert "answer_end" not in (old / "config.yaml").read_text()
+    assert load_config(old / "config.yaml").data.answer_end == "end_of_turn"
+    assert read_config(old).data.answer_end == "end_of_turn"
+    (tmp_path / "mine.yaml").write_text("data: {train: x.jsonl, seq_len: 64}\n")
+    assert load_config(tmp_path / "mine.yaml").data.answer_end == "template"
+    save_config(load_config(tmp_path / "mine.yaml"), tmp_path / "config.yaml")
+    assert read_config(tmp_path).data.answer_end == "template"

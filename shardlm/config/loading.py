@@ -160,7 +160,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             "'train:' with indented 'batch_size: 8' lines (see configs/). Arguments before the first key=value "
             f"are read as config files.{_data_hint(path)}")
     _check_keys(tree, str(path))
-    return _flatten(tree)
+    return _flatten(saved_before_changes(tree))
 
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
@@ -270,4 +270,23 @@ def save_config(cfg: Config, path: str | Path) -> None:
 def config_from_dict(tree: dict[str, Any]) -> Config:
     """Rebuild a Config saved by `save_config` (checkpoints carry one), ignoring keys removed since."""
     known = all_keys()
-    return build_config({k: v for k, v in _flatten(tree).items() if k in known})
+    return build_config({k: v for k, v in _flatten(saved_before_changes(tree)).items() if k in known})
+
+
+# Defaults that changed: (section, key, the value runs saved before the key existed trained with). A run's saved
+# config lists every key of its time, so one without the key was written before it and keeps its old behaviour on
+# resume, eval and export (a chat run's masks, a DPO run's stored reference) instead of taking the new default.
+CHANGED_DEFAULTS = [("data", "answer_end", "end_of_turn")]
+_SAVED_MARKS = {"data": {"train", "weights", "val", "val_fraction", "seq_len", "text_field", "cache_dir"},
+                "model": {"vocab_multiple", "config_overrides", "trust_remote_code"}}
+
+
+def saved_before_changes(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` with the old values of CHANGED_DEFAULTS filled in when it is a whole config saved before them."""
+    saved = all(isinstance(tree.get(s), dict) and keys <= tree[s].keys() for s, keys in _SAVED_MARKS.items())
+    if not saved:
+        return tree
+    tree = {s: dict(v) if isinstance(v, dict) else v for s, v in tree.items()}
+    for section, key, old in CHANGED_DEFAULTS:
+        tree[section].setdefault(key, old)
+    return tree
