@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_round3.sh fsdp S  # item 3: FSDP2 one rank (full, compiled) at batch 16 and 32 with its
 #                                         # profile, one process at 32 beside it; item 7: a short run's plots (S s)
 # Run from a clean `git archive` of the commit measured (the device copies the working tree as it is) with the
-# wheels the image lacks in .whl (torchao, bitsandbytes) and omegaconf in .site. Results land in $OUT.
+# wheels the image lacks in .whl (torchao 0.18.0, bitsandbytes 0.50.2) and omegaconf 2.4.0 (pip install --target
+# .site; 2.3.0 refuses the schema's Union[str, list[str]]) in .site. Results land in $OUT. On an H100 the tests stage
+# alone takes ~216 s: give gpu_check its default budget (480 s) in a call of its own to reach throughput and vs_hf.
 set -u
 what=${1:?check or fsdp}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl \
