@@ -247,3 +247,19 @@ def test_a_run_saved_before_answer_end_keeps_the_masks_it_trained_with(tmp_path)
     assert load_config(tmp_path / "mine.yaml").data.answer_end == "template"
     save_config(load_config(tmp_path / "mine.yaml"), tmp_path / "config.yaml")
     assert read_config(tmp_path).data.answer_end == "template"
+
+
+def test_an_example_run_resumes_with_the_masks_it_trained_with(tmp_path):
+    """Resumed from a config of one's own, an old chat run (no data.answer_end saved: it trained end_of_turn) is
+    refused in one line naming the key, instead of training other tokens from the next step on."""
+    import shutil
+
+    from shardlm.training.checks import check_resumed_masks
+
+    ckpt = tmp_path / "step_000000004"
+    ckpt.mkdir()
+    shutil.copy(ROOT / "tests" / "data" / "main-edda001" / "run" / "config.yaml", ckpt / "config.yaml")
+    with pytest.raises(ShardlmError, match="data.answer_end=end_of_turn, and this run asks for data.answer_end="
+                                           "template.*resume with data.answer_end=end_of_turn"):
+        check_resumed_masks(load_config(overrides=["data.train=chat.jsonl"]), ckpt)
+    check_resumed_masks(load_config(overrides=["data.train=chat.jsonl", "data.answer_end=end_of_turn"]), ckpt)

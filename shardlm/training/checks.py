@@ -127,6 +127,18 @@ def check_resumed_optimizer(cfg: Config, path: Path, on_main: OnMain = _here) ->
                            f"(shardlm export {path} DIR, then model.name=DIR).")
 
 
+def check_resumed_masks(cfg: Config, path: Path, on_main: OnMain = _here) -> None:
+    """An example run resumes with the answer masks it trained with. data.answer_end's default changed (a run saved
+    before keeps end_of_turn), so resuming an old chat run from a config of one's own would otherwise train other
+    tokens from the next step on (and a DPO run would miss its stored reference, for a reason it could not name)."""
+    saved = on_main(lambda: layout.read_config(path).data.answer_end if (path / layout.CONFIG).is_file() else "")
+    if saved and saved != cfg.data.answer_end:
+        raise ShardlmError(f"checkpoint '{path}' trained its answers with data.answer_end={saved}, and this run asks "
+                           f"for data.answer_end={cfg.data.answer_end} (the default is template since the key "
+                           f"exists): resume with data.answer_end={saved}, or start a new run from its weights "
+                           f"(shardlm export {path} DIR, then model.name=DIR).")
+
+
 def count_steps(cfg: Config, train: Blocks, world: int) -> int:
     """train.epochs counts the blocks of all sampled sources of a mixture together (weight 0: left out)."""
     t = cfg.train
@@ -174,6 +186,8 @@ def check_resume(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, resumed: 
     """A resumed preference run trains against the reference it started with: the precomputed values must be
     on disk, whole; a live reference must rebuild the same initial model. Refused here, before anything is written,
     not at the first step (after the run folder's config and event files)."""
+    if resumed is not None and not isinstance(train, TokenBlocks):
+        check_resumed_masks(cfg, resumed, on_main)
     if resumed is None or hf_cfg is None or cfg.train.objective not in PAIR_REFERENCE:
         return
     saved = json.loads(on_main(lambda: json.dumps(_resumed_state(resumed))))
