@@ -186,7 +186,7 @@ def check_resume(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, resumed: 
     """A resumed preference run trains against the reference it started with: the precomputed values must be
     on disk, whole; a live reference must rebuild the same initial model. Refused here, before anything is written,
     not at the first step (after the run folder's config and event files)."""
-    if resumed is not None and not isinstance(train, TokenBlocks):
+    if resumed is not None and isinstance(train, ExampleRows):
         check_resumed_masks(cfg, resumed, on_main)
     if resumed is None or hf_cfg is None or cfg.train.objective not in PAIR_REFERENCE:
         return
