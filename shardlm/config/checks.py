@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from shardlm import ShardlmError
+from shardlm.config.grpo import RL_OBJECTIVES, check_grpo
 from shardlm.config.schema import (
     ANSWER_ENDS,
     ATTENTION_CHOICES,
@@ -58,7 +59,7 @@ def validate(cfg: Config) -> None:
         ("data.truncation", cfg.data.truncation, TRUNCATIONS),
         ("data.on_bad_example", cfg.data.on_bad_example, ON_BAD_EXAMPLE),
         ("data.answer_end", cfg.data.answer_end, ANSWER_ENDS),
-        ("train.objective", cfg.train.objective, ("sft", "dpo", "ipo", "simpo", "orpo")),
+        ("train.objective", cfg.train.objective, ("sft", "dpo", "ipo", "simpo", "orpo", *RL_OBJECTIVES)),
         ("preference.reference", cfg.preference.reference, ("precomputed", "live")),
     ):
         if value not in choices:
@@ -98,6 +99,8 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ShardlmError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}.")
     _check_lora(cfg)
+    if t.objective in RL_OBJECTIVES:
+        _check_rl(cfg)
     m = cfg.model
     if m.attention not in ATTENTION_CHOICES:
         raise ShardlmError(f"model.attention={m.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}."
@@ -116,6 +119,17 @@ def validate(cfg: Config) -> None:
                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
                 f"lower data.seq_len or raise model.n_positions."
             )
+
+
+def _check_rl(cfg: Config) -> None:
+    """The grpo: section, and dropout: the completions are sampled without dropout, so training with it scores
+    another policy than the one sampled (the ratio at grpo.num_iterations=1 would not be 1)."""
+    for name, p in (("model.dropout", cfg.model.dropout), ("lora.dropout", cfg.lora.dropout if cfg.lora.r else 0)):
+        if p > 0:
+            raise ShardlmError(f"{name}={p} with train.objective={cfg.train.objective}: dropout makes the trained "
+                               "policy differ from the sampled one (the ratio at grpo.num_iterations=1 would not "
+                               f"be 1). Set {name}=0.")
+    check_grpo(cfg)
 
 
 def _check_mixture(cfg: Config) -> None:
