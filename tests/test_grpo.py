@@ -490,8 +490,8 @@ def test_prompt_records_and_their_token_ids():
     """TRL's prompt records, chat data (the last answer is the reference) and prompt/completion data; a chat prompt's
     ids are the ones `eval --exact-match` generates from."""
     from shardlm.data.formats import BadExample, Example
+    from shardlm.data.prompts import completion_for_rewards, prompt_token_ids, rl_prompt
     from shardlm.inference.exact_match import prompt_and_reference
-    from shardlm.rl.prompts import completion_for_rewards, prompt_token_ids, rl_prompt
     from shardlm.tokenizer import byte_tokenizer, set_chat_template
 
     tok = byte_tokenizer()
@@ -519,7 +519,7 @@ def test_prompt_records_and_their_token_ids():
 def test_a_scored_round():
     """Sample, decode, score and normalize one round: the advantages are those of the rewards the completions got,
     batch scaling from sums equals TRL's nanstd, and the metrics are TRL's."""
-    from shardlm.rl.prompts import RLPrompt
+    from shardlm.data.prompts import RLPrompt
     from shardlm.rl.rewards import Reward, RewardSet
     from shardlm.rl.rollout import round_metrics, sampling_params, score_round
     from shardlm.tokenizer import byte_tokenizer

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from shardlm.config import GrpoConfig
+from shardlm.data.prompts import RLPrompt, completion_for_rewards
 from shardlm.rl.objective import EPS, Advantages, group_advantages, rloo_advantages
-from shardlm.rl.prompts import RLPrompt, completion_for_rewards
 from shardlm.rl.rewards import RewardSet
 from shardlm.rl.sampling import Rollout, Sampler, SamplingParams
 

@@ -1,4 +1,5 @@
-"""Prompt records of online RL: what is sampled from, what the reward functions see, and the prompt's token ids.
+"""Prompt records of online RL: what is sampled from, what the reward functions see, and the prompt's token ids;
+`PromptRows`, a split of them (what `run.train` and `run.val` are for train.objective grpo and rloo).
 
 A record is TRL's `{"prompt": text or messages, ...any other fields}`; every other field goes to the reward
 functions (`answer`, `solution`, `tests`, ...). Example data serves as well, its answer becoming the `answer`
@@ -14,9 +15,14 @@ assistant message.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from shardlm import ShardlmError
+from shardlm.config import DataConfig
 from shardlm.data.formats import ROLES, BadExample
 
 
@@ -90,3 +96,92 @@ def prompt_token_ids(tok, prompt: RLPrompt) -> list[int]:
 def completion_for_rewards(text: str, prompt: RLPrompt) -> str | list[dict]:
     """A decoded completion as TRL hands it to the reward functions."""
     return [{"role": "assistant", "content": text}] if prompt.conversational else text
+
+
+Entry = Callable[[int], tuple[str, RLPrompt]]  # record k -> (where, prompt)
+
+
+class PromptRows:
+    """Prompts `[start, end)` of a set: each one's rendered ids (`tokens[offsets[k]:offsets[k + 1]]`) and, read
+    only when asked for, its `RLPrompt` and where it came from. Sampling and scoring index it as ExampleRows is
+    indexed; a held-out share is the same set with another range, so the ids are tokenized once."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, entry: Entry, field_names: list[str], spec: str,
+                 start: int = 0, end: int | None = None, meta: dict | None = None):
+        self.tokens, self.offsets, self._entry, self.spec = tokens, offsets, entry, spec
+        self.field_names = field_names
+        self.meta = meta or {}
+        self.start, self.end = start, len(offsets) - 1 if end is None else end
+
+    def __len__(self) -> int:
+        return max(0, self.end - self.start)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets[self.start:self.end + 1]) if len(self) else np.zeros(0, dtype=np.int64)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return int(self.lengths.max()) if len(self) else 0
+
+    def _k(self, i: int) -> int:
+        if not 0 <= i < len(self):
+            raise IndexError(f"prompt {i} of {len(self)}")
+        return self.start + i
+
+    def token_ids(self, i: int) -> list[int]:
+        k = self._k(i)
+        return [int(t) for t in self.tokens[int(self.offsets[k]):int(self.offsets[k + 1])]]
+
+    def prompt(self, i: int) -> RLPrompt:
+        return self._entry(self._k(i))[1]
+
+    def where(self, i: int) -> str:
+        return self._entry(self._k(i))[0]
+
+    def share(self, start: int, end: int | None = None) -> PromptRows:
+        """Prompts `[start, end)` of this split (a held-out tail, a rank's share), the same set underneath."""
+        stop = self.end if end is None else min(self.start + end, self.end)
+        return PromptRows(self.tokens, self.offsets, self._entry, self.field_names, self.spec,
+                          self.start + start, stop, self.meta)
+
+    def longest(self) -> int:
+        """The index of the longest prompt (the first of them), for errors and the run header."""
+        return int(np.argmax(self.lengths)) if len(self) else 0
+
+    def describe(self) -> str:
+        longest = f", the longest {self.max_prompt_tokens:,} tokens" if len(self) else ""
+        fields = ", ".join(self.field_names) or "none"
+        return f"{self.spec}: {len(self):,} prompt{'s' * (len(self) != 1)}{longest}; fields for the rewards: {fields}"
+
+
+def common_fields(prompts: Iterable[RLPrompt]) -> list[str]:
+    """The fields every prompt holds, in the first one's order (a reward may need only these)."""
+    names: list[str] | None = None
+    for p in prompts:
+        names = list(p.fields) if names is None else [n for n in names if n in p.fields]
+    return names or []
+
+
+def prompt_rows(records: Iterable[dict], tok, cfg: DataConfig, where: str = "records") -> PromptRows:
+    """Records in memory as PromptRows (record n's place is `where:n+1`); a bad record raises BadExample, or with
+    data.on_bad_example=skip is left out."""
+    entries: list[tuple[str, RLPrompt]] = []
+    ids: list[int] = []
+    offsets = [0]
+    for n, record in enumerate(records):
+        place = f"{where}:{n + 1}"
+        try:
+            p = rl_prompt(record, place, cfg.system_prompt)
+        except BadExample:
+            if cfg.on_bad_example != "skip":
+                raise
+            continue
+        entries.append((place, p))
+        ids += prompt_token_ids(tok, p)
+        offsets.append(len(ids))
+    if not entries:
+        raise ShardlmError(f"{where} holds no prompts. Give records such as "
+                           '{"prompt": "...", "answer": "..."}.')
+    return PromptRows(np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64), entries.__getitem__,
+                      common_fields(p for _, p in entries), where)
