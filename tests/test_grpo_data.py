@@ -3,11 +3,17 @@ run's prompt splits (build, its refusals)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from shardlm import ShardlmError
 from shardlm.config import DataConfig
 from shardlm.data.formats import BadExample
+from shardlm.data.prompt_cache import build_prompts, load_prompts, prepare_prompts
 from shardlm.data.prompts import prompt_rows, prompt_token_ids
+from shardlm.data.sources import resolve
 from shardlm.tokenizer import byte_tokenizer, set_chat_template
 
 CHAT = [{"messages": [{"role": "user", "content": "Reverse: abc"}, {"role": "assistant", "content": "cba"}],
@@ -38,3 +44,64 @@ def test_records_in_memory(tok):
         prompt_rows([CHAT[0], {"question": "x"}], tok, DataConfig(), where="mem")
     skipped = prompt_rows([CHAT[0], {"question": "x"}], tok, DataConfig(on_bad_example="skip"), where="mem")
     assert len(skipped) == 1
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def same(a, b) -> bool:
+    """The same prompts: ids, fields, the prompt as the rewards see it, and where each came from."""
+    return len(a) == len(b) and all(a.token_ids(i) == b.token_ids(i) and a.prompt(i) == b.prompt(i)
+                                    and a.where(i) == b.where(i) for i in range(len(a)))
+
+
+def test_the_cache_renders_once_and_reloads_the_same(tok, tmp_path):
+    """Tokenized once (a second build finds it and writes nothing), memory-mapped ids, fields read back from JSON
+    as the records held them, equal to the same records in memory; a damaged file is refused in one line."""
+    records = [*CHAT, {"prompt": "2+2=", "solution": 4, "task": "add"},
+               {"instruction": "Reverse", "input": "xy", "output": "yx", "task": "reverse"}]
+    path = write_jsonl(tmp_path / "p.jsonl", records)
+    cfg, logs = DataConfig(cache_dir=str(tmp_path / "cache")), []
+    folder = build_prompts(resolve(str(path), "train", None), tok, cfg, tmp_path / "cache", log=logs.append)
+    assert folder.name.startswith("rl-") and sum("rendering" in line for line in logs) == 1
+    stamp = (folder / "tokens.bin").stat().st_mtime_ns
+    again = build_prompts(resolve(str(path), "train", None), tok, cfg, tmp_path / "cache", log=logs.append)
+    assert again == folder and (folder / "tokens.bin").stat().st_mtime_ns == stamp
+    assert sum("rendering" in line for line in logs) == 1 and not list(folder.glob("*.pkl"))
+    rows = load_prompts(folder)
+    assert same(rows, prompt_rows(records, tok, cfg, where=str(path)))
+    assert rows.field_names == ["task"] and rows.prompt(2).fields == {"solution": 4, "task": "add"}
+    assert rows.prompt(3).prompt == [{"role": "user", "content": "Reverse\n\nxy"}]
+    assert rows.prompt(3).fields == {"task": "reverse", "answer": "yx"}
+    with open(folder / "prompts.jsonl", "r+b") as fh:  # one byte changed in place
+        fh.seek(3)
+        fh.write(b"X")
+    with pytest.raises(ShardlmError, match=r"prompts.jsonl was changed since it was written .* Delete .* and rerun"):
+        load_prompts(folder)
+
+
+def test_chat_tasks_as_prompts(tok):
+    """The bundled chat tasks serve as prompts: the last answer is `answer`; without data.val the last
+    data.val_fraction is held out (the same cache, another range). `dist` None writes nothing (a dry run)."""
+    train, val = prepare_prompts(DataConfig(train="chat_tasks", val_fraction=0.25), tok, None)
+    first = json.loads(resolve("chat_tasks", "train", None).files[0].open().readline())
+    assert train.prompt(0).prompt == first["messages"][:-1]
+    assert train.prompt(0).fields["answer"] == first["messages"][-1]["content"]
+    whole = len(train) + len(val)
+    assert len(train) == int(whole * 0.75) and len(val) > 0
+    assert val.where(0).endswith(f"train.jsonl:{len(train) + 1}") and "answer" in val.field_names
+    heldout = prepare_prompts(DataConfig(train="chat_tasks", val="chat_tasks_heldout"), tok, None)[1]
+    assert len(heldout) == 200 and heldout.where(199).endswith("heldout.jsonl:200")
+
+
+def test_parquet_prompts(tok, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"prompt": ["2+2=", "3+4="], "answer": ["4", "7"]}), tmp_path / "p.parquet")
+    rows = load_prompts(build_prompts(resolve(str(tmp_path / "p.parquet"), "train", None), tok, DataConfig(),
+                                      tmp_path / "cache", log=lambda _: None))
+    assert [rows.token_ids(i) for i in range(2)] == [list(b"2+2="), list(b"3+4=")]
+    assert rows.prompt(1).fields == {"answer": "7"} and rows.where(1).endswith("p.parquet:row 2")

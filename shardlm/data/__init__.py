@@ -14,13 +14,16 @@ from shardlm.data.cache import build_cache, cache_root, count_tokens, load_token
 from shardlm.data.examples import ExampleSet, build_examples, examples_in_memory, load_examples, source_format
 from shardlm.data.mixture import MixtureBlocks, MixtureSampler
 from shardlm.data.packing import ExampleRows
+from shardlm.data.prompt_cache import check_prompts_fit, prepare_prompts
+from shardlm.data.prompts import PromptRows
 from shardlm.data.sources import resolve
 
-__all__ = ["Batch", "Blocks", "ExampleRows", "GlobalSampler", "MixtureBlocks", "MixtureSampler", "TokenBlocks",
-           "counting_loader", "describe", "eval_shares", "load_split", "micro_batch_position", "prepare_data",
-           "train_sampler"]
+__all__ = ["Batch", "Blocks", "ExampleRows", "GlobalSampler", "MixtureBlocks", "MixtureSampler", "PromptRows",
+           "Split", "TokenBlocks", "check_prompts_fit", "counting_loader", "describe", "eval_shares", "load_split",
+           "micro_batch_position", "prepare_data", "prepare_prompts", "train_sampler"]
 
 Blocks = TokenBlocks | MixtureBlocks | ExampleRows
+Split = Blocks | PromptRows  # what run.train and run.val are: prompts for train.objective grpo and rloo
 Loaded = np.ndarray | ExampleSet  # a text source's tokens, or an example source's examples
 
 
@@ -42,9 +45,9 @@ def load_split(spec: str, cfg: DataConfig, tokenizer, dist, default_split: str):
     return load_examples(Path(path)) if Path(path).name.startswith("ex-") else load_tokens(Path(path))
 
 
-def describe(blocks: Blocks) -> list[str]:
-    """Header lines for example sources (a mixture's each); none for text."""
-    if isinstance(blocks, ExampleRows):
+def describe(blocks: Split) -> list[str]:
+    """Header lines for example and prompt sources (a mixture's each); none for text."""
+    if isinstance(blocks, ExampleRows | PromptRows):
         return [blocks.describe()]
     if isinstance(blocks, MixtureBlocks):
         return [line for part in blocks.parts for line in describe(part)]

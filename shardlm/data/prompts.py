@@ -3,7 +3,7 @@
 
 A record is TRL's `{"prompt": text or messages, ...any other fields}`; every other field goes to the reward
 functions (`answer`, `solution`, `tests`, ...). Example data serves as well, its answer becoming the `answer`
-field the built-in rewards compare with:
+field the built-in rewards compare with (Alpaca and ShareGPT records as the conversation instruction tuning reads):
 - chat data (`{"messages": [...]}`): the prompt is every turn before the last assistant turn, that turn the
   answer (a conversation that does not end with the assistant's turn is all prompt, with no answer);
 - prompt/completion data: the completion is the answer, unless the record has an `answer` of its own.
@@ -23,7 +23,7 @@ import numpy as np
 
 from shardlm import ShardlmError
 from shardlm.config import DataConfig
-from shardlm.data.formats import ROLES, BadExample
+from shardlm.data.formats import ROLES, BadExample, detect, to_example
 
 
 @dataclass
@@ -56,6 +56,9 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}, *messages]
 
 
+_AS_CHAT = {"alpaca": ("instruction", "input", "output", "system"), "sharegpt": ("conversations", "system")}
+
+
 def rl_prompt(record: dict, where: str, system: str | None = None) -> RLPrompt:
     """A record as an RL prompt (BadExample, one line naming the fix, when it holds none)."""
     if "prompt" in record:
@@ -70,6 +73,10 @@ def rl_prompt(record: dict, where: str, system: str | None = None) -> RLPrompt:
                 raise BadExample(f"{where}: 'prompt' is empty. Give the text to sample completions of.")
             return RLPrompt(prompt, fields)
         return RLPrompt(_with_system(_messages(prompt, "prompt", where), system), fields)
+    variant = detect(record)[1]
+    if variant in _AS_CHAT:  # Alpaca and ShareGPT records: their conversation, read as instruction tuning reads it
+        rest = {k: v for k, v in record.items() if k not in _AS_CHAT[variant]}
+        return rl_prompt({**rest, "messages": to_example(record, variant, where).messages}, where, system)
     if "messages" in record:
         messages = _messages(record["messages"], "messages", where)
         fields = {k: v for k, v in record.items() if k != "messages"}
@@ -144,6 +151,12 @@ class PromptRows:
         stop = self.end if end is None else min(self.start + end, self.end)
         return PromptRows(self.tokens, self.offsets, self._entry, self.field_names, self.spec,
                           self.start + start, stop, self.meta)
+
+    def in_memory(self) -> PromptRows:
+        """The same prompts read whole into memory (nothing left open on a file a dry run removes)."""
+        entries = [self._entry(k) for k in range(len(self.offsets) - 1)]
+        return PromptRows(np.array(self.tokens), np.array(self.offsets), entries.__getitem__, self.field_names,
+                          self.spec, self.start, self.end, self.meta)
 
     def longest(self) -> int:
         """The index of the longest prompt (the first of them), for errors and the run header."""
