@@ -51,7 +51,8 @@ class StepResult(TypedDict):
     finite: bool
     lr: float
     targets: int  # target tokens of the whole step (every rank): the loss is their mean; pairs for preference
-    stats: torch.Tensor | None  # preference: this rank's sums of rewards/chosen, ... (training.preference.STATS)
+    stats: torch.Tensor | dict[str, float] | None  # preference: this rank's sums of rewards/chosen, ...
+    # (training.preference.STATS); online RL: the step's statistics over every rank (reward, clip_ratio/..., ...)
 
 
 class TrainerView(Protocol):

@@ -254,6 +254,7 @@ def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, 
         sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))
     fully_shard(model, **kwargs)
     register_fsdp_forward_method(model, "sequence_logps")  # a forward too: the root's gathers, its reshard
+    register_fsdp_forward_method(model, "completion_logps")  # online RL's (shardlm.training.rl_step)
     if p.prefetch > 0 and len(blocks) > 1:
         depth = p.prefetch
         for i, unit in enumerate(sharded):

@@ -1,8 +1,9 @@
 """`CausalLM`: a Hugging Face causal LM (GPT-2 by default) with a memory-lean loss, the module FSDP shards.
 
 Running the loss inside the module means the tied lm_head/wte weight is unsharded exactly while the loss needs
-it. Its two entry points return one thing each: `forward` the token loss, `sequence_logps` the summed
-log-probabilities of whole sequences (preference pairs). Its HF config is built in `hf_config`, its weights
+it. Its entry points return one thing each: `forward` the token loss, `sequence_logps` the summed
+log-probabilities of whole sequences (preference pairs), `completion_logps` the per-token log-probabilities of
+sampled completions (online RL). Its HF config is built in `hf_config`, its weights
 loaded in `instantiate`.
 """
 
@@ -86,6 +87,32 @@ class CausalLM(nn.Module):
         weight, bias = self._head()
         return sequence_sums(F.linear(hidden, weight, bias), kept, seg, sequences)
 
+    def completion_logps(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                         temperature: float = 1.0, with_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each target's log-probability (fp32, in the order of `targets != -100` read row by row) at the sampling
+        `temperature` (logits divided by it first, as the sampler drew them), and the entropy of each target's
+        distribution (no gradient) if asked: online RL's policy, old and reference scores of its completions.
+
+        The head runs on the targets alone, in chunks whose logits are recomputed in backward
+        (`target_logps`): no (tokens x vocab) logits are kept. A forward of its own, registered with FSDP2 as
+        `sequence_logps` is."""
+        out = self._body(tokens, positions)
+        scale = 1.0 / temperature if temperature > 0 else 1.0
+        if self.full_logits:
+            keep = (targets.flatten() != IGNORE).nonzero().squeeze(1)
+            logits = out.logits.flatten(0, 1).index_select(0, keep).float() * scale
+            picked = targets.flatten().index_select(0, keep)
+            logps = logits.log_softmax(-1)
+            entropy = -(logps.exp() * logps).sum(-1).detach() if with_entropy else None
+            return logps.gather(1, picked[:, None]).squeeze(1), entropy
+        if positions is None:  # at_targets selects the targets only when positions are given
+            raise ValueError("completion_logps needs the rows' positions")
+        hidden, kept = at_targets(positions, targets, out.last_hidden_state, targets)
+        weight, bias = self._head()
+        chunk = self.loss_chunk_size or 1024
+        return target_logps(hidden, weight, bias, kept, scale, chunk, with_entropy)
+
     def _body(self, tokens: torch.Tensor, positions: torch.Tensor | None, routed: bool = False) -> Any:
         """The HF model's outputs: its logits where the family transforms them (or has no head to take), else
         the body's last hidden state for shardlm's own head and loss."""
@@ -141,20 +168,90 @@ def sequence_sums(logits: torch.Tensor, targets: torch.Tensor, segments: torch.T
     return sums[:sequences], counts[:sequences]
 
 
-def before_every_forward(model: nn.Module, hook: Callable[[nn.Module, tuple], None]) -> None:
-    """`hook(model, args)` first thing in each of the model's forwards (`forward`, `sequence_logps`), ahead of
-    FSDP2's gathers: nn.Module's forward pre-hooks see `forward` alone. Call it after parallelize."""
-    model.register_forward_pre_hook(hook, prepend=True)
-    method = getattr(model, "sequence_logps", None)
-    if method is None:
-        return
+class _TargetLogps(torch.autograd.Function):
+    """Log-probabilities of targets through the head, chunk by chunk; the backward recomputes each chunk's logits
+    (one matmul more than keeping them) instead of holding (targets x vocab) fp32 logits from forward to backward.
+    d logp / d z = onehot(target) - softmax(z), times the temperature's scale."""
 
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk):
+        w = weight.to(hidden.dtype)
+        b = None if bias is None else bias.to(hidden.dtype)
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            z = F.linear(hidden[s:s + chunk], w, b).float() * scale
+            out[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - z.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.scale, ctx.chunk = scale, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        w = weight.to(hidden.dtype)
+        b = None if bias is None else bias.to(hidden.dtype)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
+            if need_b and bias is not None else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h, g = hidden[s:s + ctx.chunk], grad[s:s + ctx.chunk].float()
+            z = F.linear(h, w, b).float() * ctx.scale
+            dz = z.softmax(-1).mul_(-g[:, None])
+            dz[torch.arange(len(g), device=g.device), targets[s:s + ctx.chunk]] += g
+            dz.mul_(ctx.scale)
+            if grad_h is not None:
+                grad_h[s:s + ctx.chunk] = (dz.to(h.dtype) @ w).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += dz.t() @ h.float()
+            if grad_b is not None:
+                grad_b += dz.sum(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+
+
+def target_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                 scale: float = 1.0, chunk: int = 1024, with_entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(scale x (hidden W^T + b)) at `targets`, each row's entropy or None): fp32, one chunk's logits at
+    a time. The entropy is a statistic (no gradient), computed under no_grad."""
+    logps = _TargetLogps.apply(hidden, weight, bias, targets, scale, max(1, chunk))
+    if not with_entropy:
+        return logps, None
+    with torch.no_grad():
+        w = weight.to(hidden.dtype)
+        b = None if bias is None else bias.to(hidden.dtype)
+        parts = []
+        for s in range(0, hidden.shape[0], chunk):
+            z = F.linear(hidden[s:s + chunk], w, b).float() * scale
+            lp = z.log_softmax(-1)
+            parts.append(-(lp.exp() * lp).sum(-1))
+        entropy = torch.cat(parts) if parts else torch.zeros(0, device=hidden.device)
+    return logps, entropy
+
+
+FORWARDS = ("sequence_logps", "completion_logps")  # CausalLM's forwards besides `forward` (FSDP2 registers them)
+
+
+def before_every_forward(model: nn.Module, hook: Callable[[nn.Module, tuple], None]) -> None:
+    """`hook(model, args)` first thing in each of the model's forwards (`forward`, `sequence_logps`,
+    `completion_logps`), ahead of FSDP2's gathers: nn.Module's forward pre-hooks see `forward` alone. Call it after
+    parallelize."""
+    model.register_forward_pre_hook(hook, prepend=True)
+    for name in FORWARDS:
+        method = getattr(model, name, None)
+        if method is not None:
+            setattr(model, name, _hooked(model, method, hook))
+
+
+def _hooked(model: nn.Module, method: Callable, hook: Callable[[nn.Module, tuple], None]) -> Callable:
     @functools.wraps(method)
     def hooked(*args: Any, **kwargs: Any) -> Any:
         hook(model, args)
         return method(*args, **kwargs)
 
-    model.sequence_logps = hooked  # type: ignore[assignment]
+    return hooked
 
 
 def auto_loss_chunk(configured: int | None, batch: int, seq_len: int, vocab: int, device: torch.device,

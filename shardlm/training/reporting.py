@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from shardlm.config import task_defaults_note
+from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import describe
-from shardlm.distributed import xla
+from shardlm.distributed import checkpointing, xla
+from shardlm.distributed.wrapping import describe_units
 from shardlm.models import lora
-from shardlm.models.causal_lm import num_params
+from shardlm.models.causal_lm import num_params, transformer_blocks
 from shardlm.models.moe import active_fraction, expert_params, idle_expert_params, router_record
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
 from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token
@@ -69,8 +71,8 @@ def run_header(run: Run) -> str:
         where = f"1 process, XLA SPMD over {d.devices} device(s), FSDPv2 {cfg.parallel.sharding}"
     else:
         where = "1 process, no FSDP (launch with --nproc N or torchrun to shard)"
-    extras = [n for n, on in (("activation checkpointing", cfg.parallel.activation_checkpointing),
-                              (f"compile {pl.compile}", pl.compile != "false"),
+    ac = checkpointing.describe(cfg.parallel.activation_checkpointing, len(transformer_blocks(run.model.hf)))
+    extras = [n for n, on in ((ac or "", ac is not None), (f"compile {pl.compile}", pl.compile != "false"),
                               ("cpu offload", cfg.parallel.cpu_offload)) if on]
     blocks, seq = global_batch(run), cfg.data.seq_len
     return (f"shardlm: {where}; {d.device.type}, {cfg.parallel.precision}"
@@ -80,7 +82,8 @@ def run_header(run: Run) -> str:
             f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}"
             + "".join(f"\n{line}" for line in describe(run.train))
             + f"\n{describe_optimizer(run)}"
-            + (f"\n{note}" if (note := task_defaults_note(cfg)) else ""))
+            + (f"\n{note}" if (note := task_defaults_note(cfg)) else "")
+            + (f"\n{units}" if (units := describe_units(run.model, cfg.parallel.wrap)) else ""))
 
 
 class Reporter:
@@ -104,14 +107,20 @@ class Reporter:
         self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
         self.seconds, self.steps, self.targets = 0.0, 0, 0
         self.stats: torch.Tensor | None = None  # preference statistics since the last record (STATS order)
+        self.rl: dict[str, list[float]] = {}  # online RL: each statistic's values since the last record
         self.last_val: dict[str, Any] | None = None
         self.held_out = 0
 
-    def step_done(self, loss_sum: torch.Tensor, targets: int | None = None, stats: torch.Tensor | None = None) -> None:
+    def step_done(self, loss_sum: torch.Tensor, targets: int | None = None,
+                  stats: torch.Tensor | dict[str, float] | None = None) -> None:
         """After each optimizer step: its time (since the last step or `resume_clock`), its loss and the step's
-        global target count (text: every token; preference: pairs), and a preference step's statistic sums."""
+        global target count (text: every token; preference: pairs; online RL: 1, its loss being the step's), and a
+        preference step's statistic sums or an RL step's statistics (global values)."""
         self.loss_sum += loss_sum.double()
-        if stats is not None:
+        if isinstance(stats, dict):
+            for k, v in stats.items():
+                self.rl.setdefault(k, []).append(v)
+        elif stats is not None:
             self.stats = stats.double() if self.stats is None else self.stats + stats.double()
         self.targets += self.tokens_per_step if targets is None else targets
         seconds = self.timer.lap()
@@ -133,9 +142,10 @@ class Reporter:
         return (self.total - step) // every if every else 0
 
     def log_train(self, step: int, *, lr: float, grad_norm: float, tokens: int, skipped_steps: int,
-                  tokens_by_source: list[int] | None = None) -> None:
+                  tokens_by_source: list[int] | None = None, samples: Iterable[str] = ()) -> None:
         """The interval's record (one all-reduce of the loss) and the progress line; starts a new interval.
-        A mixture's record also has `tokens_by_source`, the tokens seen from each source (they add up to `tokens`)."""
+        A mixture's record also has `tokens_by_source`, the tokens seen from each source (they add up to `tokens`);
+        online RL's `samples` (a few completions and their rewards) are printed after it."""
         self.dist.all_reduce_sum(self.loss_sum)
         loss = (self.loss_sum[0] / max(self.targets, 1)).item()
         pref = {}
@@ -145,6 +155,9 @@ class Reporter:
         target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
         mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.data_parallel) if self.peak_flops else None
+        if self.rl or self.run.cfg.train.objective in RL_OBJECTIVES:  # the rates of what was sampled and trained
+            pref, target_fraction, mfu = self._rl_record(), 1.0, None
+            tps = pref.pop("tokens_per_s")
         peak_mem = peak_memory_bytes(self.device)
         self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,
@@ -160,16 +173,34 @@ class Reporter:
         remaining = self.eta.remaining(step, evals_left, self._left(step, self.save_every))
         self.progress.update(step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}
                              | ({"mem": f"{peak_mem / 2**30:.1f}G"} if self.device.type == "cuda" else {}))
+        for line in samples:
+            self.progress.write(line)
         self.loss_sum.zero_()
         self.seconds, self.steps, self.targets = 0.0, 0, 0
 
+    def _rl_record(self) -> dict[str, float]:
+        """An RL interval's statistics: each one's mean over the steps that gave it (generation metrics come with
+        the steps that sampled), completions per second and tokens (prompt + completion sampled) per second."""
+        values, self.rl = self.rl, {}
+        completions, tokens = sum(values.pop("step_completions", [])), sum(values.pop("step_tokens", []))
+        out = {k: sum(v) / len(v) for k, v in values.items()}
+        seconds = max(self.seconds, 1e-9)
+        return out | {"completions_per_s": completions / seconds, "tokens_per_s": tokens / seconds}
+
     def log_val(self, step: int, result: dict[str, Any], tokens_seen: int) -> None:
         """The record keeps `held_out_tokens` next to `tokens` (those scored), so a subset shows as one."""
-        held_out = self.run.val.target_tokens
+        held_out = getattr(self.run.val, "target_tokens", len(self.run.val))  # online RL: prompts
         self.log.write({"step": step, "split": "val", **result, "held_out_tokens": held_out,
                         "tokens_seen": tokens_seen})
-        self.progress.write(f"step {step}: val {describe_val(result, held_out, self.run.cfg.train.eval_batches)}")
+        self.progress.write(f"step {step}: val {self.describe(result, held_out)}")
         self.last_val, self.held_out = result, held_out
+
+    def describe(self, result: dict[str, Any], held_out: int) -> str:
+        """A validation result in words; online RL's: the mean sampled reward and the greedy exact match."""
+        if "reward" not in result:
+            return describe_val(result, held_out, self.run.cfg.train.eval_batches)
+        return (f"reward {result['reward']:.4f} exact_match {result['exact_match']:.3f} on {result['prompts']:,} of "
+                f"{held_out:,} prompts")
 
     def close(self, step: int, stopped: bool) -> dict[str, Any]:
         """Close the outputs; print the closing line unless the run stopped on a signal (train.py says so)."""
@@ -182,5 +213,5 @@ class Reporter:
             self.dist.print(f"done: {this}" if not start else f"done: step {step}/{self.total}; this invocation: "
                             f"{this} (resumed at step {start})", end="")
             v = self.last_val
-            self.dist.print(f", val {describe_val(v, self.held_out, self.run.cfg.train.eval_batches)}" if v else "")
+            self.dist.print(f", val {self.describe(v, self.held_out)}" if v else "")
         return {"val": self.last_val, "steps": step, "wall_s": wall}

@@ -25,6 +25,7 @@ from shardlm.checkpoint.checkpointer import Checkpointer
 from shardlm.checkpoint.layout import checkpoints_dir
 from shardlm.checkpoint.state import RngState, model_parts
 from shardlm.config import Config
+from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.distributed import xla
@@ -37,14 +38,8 @@ from shardlm.training import reporting
 from shardlm.training.build import Run, build, build_model
 from shardlm.training.optim.optimizers import update_plan
 from shardlm.training.optim.update import LateRead, clip_grad_norm, fused_clip_step, grad_norm
-from shardlm.training.preference import (
-    STATS,
-    PairScores,
-    Preference,
-    ReferenceSource,
-    chosen_targets,
-    pair_rows,
-)
+from shardlm.training.preference import STATS, PairScores, Preference, ReferenceSource, chosen_targets, pair_rows
+from shardlm.training.rl_step import RLStep
 from shardlm.training.schedule import ScheduleState
 from shardlm.training.validate import TokenScores, Validator
 
@@ -75,7 +70,10 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
-        self.preference = Preference(self.cfg, self.device, build_model) if t.objective != "sft" else None
+        pairs = t.objective not in ("sft", *RL_OBJECTIVES)
+        self.preference = Preference(self.cfg, self.device, build_model) if pairs else None
+        self.rl = RLStep(run, self.batch, self.accum, self.autocast, build_model) \
+            if t.objective in RL_OBJECTIVES else None
         self.validator = Validator(self.dist, self.batch, t.eval_batches, self.autocast, self._batch)
         # The step's gradient norm is read on the host one step late where the optimizer takes the clip factor
         # (training.optim.update decides, and the run header says which)
@@ -95,7 +93,7 @@ class Trainer:
         return {"step": self.step, "position": self.position, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
                 "callbacks": self.callbacks.state_dict(), "data_blocks": [len(self.run.train), len(self.run.val)],
-                **(self.preference.state() if self.preference else {})}
+                **(self.preference.state() if self.preference else {}), **(self.rl.state() if self.rl else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The data stream continues at the saved position even when the global batch changed."""
@@ -104,6 +102,8 @@ class Trainer:
         self.callbacks.load_state_dict(state.get("callbacks", {}))
         if self.preference is not None:  # live: the identity of the initial model it rebuilds, checked then
             self.preference.resumed_key = state.get("reference_key")
+        if self.rl is not None:
+            self.rl.load_state(state)
         blocks = [len(self.run.train), len(self.run.val)]
         if state.get("data_blocks", blocks) != blocks:
             (tr, va), (tr2, va2) = state["data_blocks"], blocks
@@ -221,9 +221,12 @@ class Trainer:
             self.model.train()
         opt = self.run.optimizer
         loss_sum = torch.zeros((), device=self.device)
-        stats = None
+        stats: torch.Tensor | dict[str, float] | None = None
         if self.preference is not None:
             targets, loss_sum, stats = self._preference_micro_steps()
+        elif self.rl is not None:  # online RL: a generation round, then its completions (training.rl_step)
+            targets, loss_sum, stats = self.rl.micro_steps(
+                lambda n: self.sampler.indices(self.position, n), self.position)
         else:
             targets = self.step_targets()
             per_rank = targets * self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
@@ -247,7 +250,7 @@ class Trainer:
         if self.xla:  # the optimizer step as a second graph
             xla.sync()
         self.step += 1
-        self.position += self.global_batch
+        self.position += self.global_batch if self.rl is None else self.rl.taken  # RL: prompts
         if not self.sync_free:
             self._account(result, self.step)
         return result
@@ -324,6 +327,8 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """The validation split scored by the run's objective (shardlm.training.validate, as `shardlm eval` does):
         next-token loss, or the preference loss and rewards."""
+        if self.rl is not None:
+            return self.rl.validate(self.run.val, self.cfg.train.eval_batches)
         if self.preference is None:
             return self.validator.validate(self.model, self.run.val, TokenScores())
         rows = pair_rows(self.run.val, "validation")
@@ -353,9 +358,10 @@ class Trainer:
                     self.settle()
                 self.callbacks.on_step_end(self, result)
                 if log_due:
-                    report.log_train(self.step, lr=result["lr"],
-                                     grad_norm=result["grad_norm"], tokens=self.position * self.seq_len,
-                                     skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source())
+                    report.log_train(self.step, lr=result["lr"], grad_norm=result["grad_norm"],
+                                     tokens=self.rl.tokens_seen if self.rl else self.position * self.seq_len,
+                                     skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source(),
+                                     samples=self.rl.sample_lines() if self.rl else ())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < total:
                     self._evaluate(report)
                 self._maybe_save(report)
@@ -382,7 +388,10 @@ class Trainer:
             return
         signalled = self.checkpointer.should_stop()
         self.stop_requested = self.stop_requested or signalled
-        if self.stop_requested or self.checkpointer.due(self.step, self.run.total_steps):
+        # online RL with num_iterations > 1 saves at a round's end: the next step then samples a new one
+        due = self.checkpointer.due(self.step, self.run.total_steps) and \
+            (self.rl is None or self.rl.cycle_done() or self.step == self.run.total_steps)
+        if self.stop_requested or due:
             with report.timed("save"):
                 self.checkpointer.save(self.step)
 

@@ -1,0 +1,331 @@
+"""Online RL from rewards in the training loop (`train.objective` grpo, rloo): the generation rounds, the
+micro-batches of completions and their loss, the step's statistics and the RL validation.
+
+A step (TRL's GRPOTrainer with steps_per_generation = grad_accum) takes `global_batch / group` prompts of the data
+order, each rank its contiguous share (whole groups), samples `group` completions of each (one generation round,
+the FSDP2 units gathered once for it), scores them with the reward functions, and trains on its
+`batch_size x grad_accum` completions in micro-batches of `batch_size`. A round serves `num_iterations` steps
+(μ); with μ > 1 the policy's log-probabilities at sampling time (the old ones) are kept with it. Each completion
+is scored by `CausalLM.completion_logps`, the training forward, on the ids that were sampled (never re-tokenized
+text). The loss of a micro-batch is its share of the step's (shardlm.rl.objective.step_loss with the step's
+global counts), so 2 ranks train what 1 process trains.
+
+Sampling keys are the prompts' positions in the data order: a resumed run samples what the uninterrupted one
+sampled, and no sampling state is checkpointed; checkpoints are taken at a round's end (`cycle_done`). Forwards
+run eager (`torch.compiler.set_stance("force_eager")`): a compiled block (dynamic=False) would recompile at every
+new length of a KV-cache decode or a completion batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+
+from shardlm.data import eval_shares
+from shardlm.data.prompts import PromptRows, completion_for_rewards
+from shardlm.distributed.parallelize import set_gradient_sync
+from shardlm.models import lora
+from shardlm.models.loss import IGNORE
+from shardlm.rl.objective import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
+from shardlm.rl.rewards import exact_match
+from shardlm.rl.rollout import ScoredRound, round_metrics, sampling_params, score_round
+from shardlm.rl.sampling import Sampler, TransformersSampler
+from shardlm.tokenizer import end_of_turn_id
+from shardlm.training.preference import frozen_reference, reshard
+
+VAL_KEYS = 1 << 40  # validation prompts' sampling keys start here, apart from the training positions
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+@dataclass
+class MicroBatch:
+    """`batch_size` completions as rows prompt + completion (right-padded, positions 0..L-1), the targets their
+    completion tokens; `mask` (rows, longest completion) marks the tokens the loss counts."""
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    targets: torch.Tensor
+    lengths: torch.Tensor  # (rows, T) True at a completion's tokens
+    mask: torch.Tensor  # (rows, T) float: lengths, zero for a completion the loss leaves out
+    advantages: torch.Tensor
+    old: torch.Tensor | None = None  # (rows, T) the policy's at sampling time (μ > 1, rloo with β > 0)
+    ref: torch.Tensor | None = None  # (rows, T) the reference's (β > 0)
+
+
+@dataclass
+class Round:
+    scored: ScoredRound
+    micro: list[MicroBatch]
+    tokens: float  # completion tokens the loss counts, over every rank
+    metrics: dict[str, float]
+    used: int = 0  # steps trained on it so far
+    texts: list[str] = field(default_factory=list)
+
+
+def micro_batch(prompts: list[list[int]], completions: list[list[int]], pad: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, positions, targets, lengths) of rows prompt + completion: completion token j is the target of the
+    position before it."""
+    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
+    width, longest = max(map(len, rows)), max(map(len, completions))
+    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    lengths = torch.zeros((len(rows), longest), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
+        targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c)
+        lengths[i, :len(c)] = True
+    positions = torch.arange(width).expand(len(rows), width)
+    return tokens.to(device), positions.to(device), targets.to(device), lengths.to(device)
+
+
+class RLStep:
+    """One per run: `micro_steps` is a step's forward and backward, `validate` the RL validation."""
+
+    def __init__(self, run: Any, batch: int, accum: int, autocast: Callable[[], AbstractContextManager[Any]],
+                 build_model: Callable | None = None):
+        from shardlm.rl.rewards import load_rewards
+
+        cfg, g = run.cfg, run.cfg.grpo
+        self.run, self.g, self.dist, self.model, self.tok = run, g, run.dist, run.model, run.tokenizer
+        self.objective, self.batch, self.accum, self.autocast = cfg.train.objective, batch, accum, autocast
+        self.build_model = build_model
+        self.world = run.dist.data_parallel
+        self.per_rank = batch * accum // g.group  # prompts of a step on each rank
+        self.per_step = self.per_rank * self.world
+        self.rewards = load_rewards(g, prompt_split(run.train, "training").field_names)
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        # The one attribute a colocated inference engine (vLLM) would replace: token ids in, token ids out
+        self.sampler: Sampler = TransformersSampler(run.model.hf, self.pad, root=run.model,
+                                                    max_rows=max(batch * accum, g.group))
+        stop = [t for t in (end_of_turn_id(self.tok), self.tok.eos_token_id) if t is not None]
+        self.params = sampling_params(g, stop, cfg.train.seed)
+        self.round: Round | None = None
+        self.taken = 0  # prompts the last step drew from the data (0: it reused its round)
+        self.tokens_seen = 0  # prompt and completion tokens sampled, over every rank
+        self.frozen: Any = None  # β > 0 without LoRA: the frozen initial model
+
+    # ---- state --------------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"rl_tokens": self.tokens_seen}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.tokens_seen = int(state.get("rl_tokens", 0))
+
+    def cycle_done(self) -> bool:
+        """Whether the last round has served its num_iterations steps: a checkpoint then loses nothing."""
+        return self.round is None or self.round.used >= self.g.num_iterations
+
+    # ---- collectives --------------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        if not self.dist.distributed:
+            return
+        on = tensor.to(self.dist.device)
+        tdist.all_reduce(on, op=tdist.ReduceOp.MAX if op == "max" else tdist.ReduceOp.SUM)
+        tensor.copy_(on.to(tensor.device))
+
+    # ---- a round ------------------------------------------------------------------------------------------------
+    def _new_round(self, order: np.ndarray, position: int) -> Round:
+        rows = prompt_split(self.run.train, "training")
+        mine = range(self.dist.rank * self.per_rank, (self.dist.rank + 1) * self.per_rank)
+        prompts = [rows.prompt(int(order[j])) for j in mine]
+        ids = [rows.token_ids(int(order[j])) for j in mine]
+        with eager():
+            scored = score_round(self.sampler, self.tok, prompts, ids, [position + j for j in mine], self.rewards,
+                                 self.g, self.params, self.objective, self.all_reduce)
+        metrics = round_metrics(scored, self.rewards.names, self.all_reduce)
+        r = scored.rollout
+        device = self.dist.device
+        micro = []
+        for m in range(self.accum):
+            span = range(m * self.batch, (m + 1) * self.batch)
+            tokens, positions, targets, lengths = micro_batch([r.prompt_of(i) for i in span],
+                                                              [r.completions[i] for i in span], self.pad, device)
+            mask = lengths.float() * scored.loss_mask[span.start:span.stop, None].to(device)
+            micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
+                                    scored.scored.advantages[span.start:span.stop].to(device)))
+        sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
+                                float(sum(mb.mask.sum().item() for mb in micro))], dtype=torch.float64)
+        self.all_reduce(sampled)
+        self.tokens_seen += int(sampled[0].item())
+        metrics |= {"step_completions": float(self.per_step * self.g.group), "step_tokens": sampled[0].item()}
+        out = Round(scored, micro, float(sampled[1].item()), metrics, texts=scored.texts)
+        self._score_before_training(out)
+        return out
+
+    @torch.no_grad()
+    def _score_before_training(self, r: Round) -> None:
+        """The old log-probabilities (μ > 1; rloo with β > 0, whose reward takes the KL) and the reference's."""
+        beta, rloo = self.g.beta, self.objective == "rloo"
+        for mb in r.micro:
+            if self.g.num_iterations > 1 or (rloo and beta > 0):
+                mb.old = self._logps(self.model, mb)[0].detach()
+            if beta > 0:
+                mb.ref = self._reference_logps(mb)
+        if rloo and beta > 0:  # the KL goes into the reward, before the leave-one-out advantages
+            kl = torch.cat([((mb.old - mb.ref) * mb.lengths).sum(1) for mb in r.micro]).cpu()  # type: ignore[operator]
+            s = r.scored.scored
+            advantages = rloo_advantages(r.scored.per_func, self.rewards.weight_tensor, self.g.group,
+                                         self.g.normalize_advantages, kl=kl, beta=beta)
+            r.scored.scored = advantages._replace(std_zero=s.std_zero)
+            for m, mb in enumerate(r.micro):
+                mb.advantages = advantages.advantages[m * self.batch:(m + 1) * self.batch].to(mb.mask.device)
+
+    def _logps(self, model: Any, mb: MicroBatch, with_entropy: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, T) log-probabilities (and entropies) of the micro-batch's completion tokens."""
+        with eager(), self.autocast():
+            flat, entropy = model.completion_logps(mb.tokens, mb.positions, mb.targets, self.g.temperature,
+                                                   with_entropy)
+        logps = torch.zeros(mb.lengths.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mb.lengths, flat)
+        if entropy is not None:
+            entropy = torch.zeros(mb.lengths.shape, device=flat.device).masked_scatter(mb.lengths, entropy.float())
+        return logps, entropy
+
+    def _reference_logps(self, mb: MicroBatch) -> torch.Tensor:
+        """The initial model's: with LoRA the policy with its adapters off, else a frozen copy sharded alike."""
+        if lora.enabled(self.run.cfg.lora):
+            with lora.adapters_off(self.model):
+                return self._logps(self.model, mb)[0].detach()
+        if self.frozen is None:
+            self.frozen = frozen_reference(self.run, self.build_model)
+        logps = self._logps(self.frozen, mb)[0].detach()
+        reshard(self.frozen)
+        return logps
+
+    # ---- a step -------------------------------------------------------------------------------------------------
+    def micro_steps(self, order: Callable[[int], np.ndarray], position: int
+                    ) -> tuple[int, torch.Tensor, dict[str, float]]:
+        """A step's forwards and backwards: (1, this rank's share of the step's loss, the step's statistics over
+        every rank). `order(n)` gives the next n prompts of the data order from `position`."""
+        self.taken = 0
+        if self.cycle_done():
+            self.round = self._new_round(order(self.per_step), position)
+            self.taken = self.per_step
+        r = self.round
+        assert r is not None
+        g = self.g
+        completions, tokens = self.batch * self.accum, r.tokens / self.world  # this rank's share of the step's
+        loss_sum = torch.zeros((), device=self.dist.device)
+        sums = torch.zeros(6, dtype=torch.float64, device=self.dist.device)  # low, high, counted, kl, entropy, tokens
+        for m, mb in enumerate(r.micro):
+            set_gradient_sync(self.model, m == self.accum - 1)
+            logps, entropy = self._logps(self.model, mb, with_entropy=True)
+            if self.objective == "rloo":
+                old = None if mb.old is None else (mb.old * mb.lengths).sum(1)
+                loss, ratio = rloo_loss(logps, old, mb.advantages, mb.mask, completions, g.epsilon, g.epsilon_high)
+                ratio, kl = ratio.unsqueeze(1), None
+            else:
+                parts = token_loss(logps, mb.old, mb.advantages, mb.mask, g.epsilon, g.epsilon_high, g.beta, mb.ref,
+                                   g.delta, g.importance_sampling_level)
+                loss = step_loss(parts.per_token, mb.mask, g.loss_type, completions, tokens, g.max_completion_length)
+                ratio, kl = parts.ratio, parts.kl
+            loss.backward()
+            loss_sum += loss.detach() / self.world
+            clipped = clip_counts(ratio.detach(), mb.advantages, mb.mask, g.epsilon, g.epsilon_high)
+            counted = mb.mask.sum()
+            sums += torch.stack([clipped.low, clipped.high, clipped.tokens,
+                                 (kl.detach() * mb.mask).sum() if kl is not None else counted * 0,
+                                 (entropy * mb.mask).sum() if entropy is not None else counted * 0, counted]).double()
+        r.used += 1
+        return 1, loss_sum, self._step_stats(sums, r, fresh=self.taken > 0)
+
+    def _step_stats(self, sums: torch.Tensor, r: Round, fresh: bool) -> dict[str, float]:
+        self.all_reduce(sums)
+        low, high, counted, kl, entropy, tokens = sums.tolist()
+        stats = {"clip_ratio/low_mean": low / max(counted, 1), "clip_ratio/high_mean": high / max(counted, 1),
+                 "clip_ratio/region_mean": (low + high) / max(counted, 1), "entropy": entropy / max(tokens, 1)}
+        if self.g.beta > 0 and self.objective != "rloo":
+            stats["kl"] = kl / max(tokens, 1)
+        if fresh:  # the round's generation metrics, once (TRL logs them at generation)
+            stats |= r.metrics
+        return stats
+
+    def sample_lines(self, n: int = 2) -> list[str]:
+        """A few of this rank's completions of the last round with their rewards (printed at log steps)."""
+        r = self.round
+        if r is None:
+            return []
+        out = []
+        names = self.rewards.names
+        for p in range(min(n, len(r.scored.rollout.prompts))):
+            i = p * self.g.group
+            prompt = self.tok.decode(r.scored.rollout.prompts[p], skip_special_tokens=False)[-60:]
+            values = ", ".join(f"{k} {v:.2f}" for k, v in zip(names, r.scored.per_func[i].tolist(), strict=True))
+            out.append(f"  sample: ...{prompt!r} -> {r.texts[i]!r} ({values})")
+        return out
+
+    # ---- validation ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self, val: Any, eval_batches: int) -> dict[str, Any]:
+        """The mean reward of one sampled completion per prompt (seeded) and the share of greedy completions that
+        equal the prompt's `answer` (exact match, `shardlm eval --exact-match`'s rule), over run.val's prompts;
+        every rank takes its share, padding rows (index -1) weigh nothing, so 1 or 2 ranks give the same."""
+        rows = prompt_split(val, "validation")
+        shares = eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch, eval_batches)
+        indices = np.concatenate(shares) if shares else np.zeros(0, dtype=np.int64)
+        real = np.where(indices >= 0, indices, 0)
+        weight = torch.from_numpy((indices >= 0).astype(np.float64))
+        prompts = [rows.prompt(int(i)) for i in real]
+        ids = [rows.token_ids(int(i)) for i in real]
+        keys = [VAL_KEYS + int(i) for i in real]
+        names = self.rewards.names
+        with eager():
+            sampled = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1))
+            greedy = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1, temperature=0.0))
+        if not len(indices):  # this rank has no batch (it sampled nothing, with the others)
+            return self._val_result(torch.zeros(6 + 2 * len(names), dtype=torch.float64))
+        texts = [self.tok.decode(c, skip_special_tokens=True) for c in sampled.completions]
+        fields = {k: [p.fields.get(k) for p in prompts] for k in rows.field_names}
+        per_func = self.rewards.score([p.prompt for p in prompts], [completion_for_rewards(t, p) for t, p in
+                                                                     zip(texts, prompts, strict=True)],
+                                      sampled.completions, fields)
+        reward = weighted_rewards(per_func, self.rewards.weight_tensor).double()
+        answered = torch.tensor([p.fields.get("answer") is not None for p in prompts], dtype=torch.float64) * weight
+        greedy_texts = [self.tok.decode(c, skip_special_tokens=True) for c in greedy.completions]
+        matched = torch.tensor(exact_match(greedy_texts, [p.fields.get("answer") or "" for p in prompts]),
+                               dtype=torch.float64) * answered
+        ok = ~torch.isnan(reward)
+        columns = [*per_func.double().unbind(1)]
+        sums = torch.stack([torch.where(ok, reward, 0.0).mul(weight).sum(), (ok * weight).sum(), matched.sum(),
+                            answered.sum(), weight.sum(),
+                            (torch.tensor([len(c) for c in sampled.completions], dtype=torch.float64) * weight).sum(),
+                            *[torch.nan_to_num(c).mul(weight).sum() for c in columns],
+                            *[((~torch.isnan(c)) * weight).sum() for c in columns]])
+        return self._val_result(sums)
+
+    def _val_result(self, sums: torch.Tensor) -> dict[str, Any]:
+        self.all_reduce(sums)
+        total, names = sums.tolist(), self.rewards.names
+        f = len(names)
+        out: dict[str, Any] = {"reward": total[0] / total[1] if total[1] else math.nan,
+                               "exact_match": total[2] / total[3] if total[3] else math.nan,
+                               "prompts": int(total[4]), "completions/mean_length": total[5] / max(total[4], 1)}
+        for j, name in enumerate(names):
+            n = total[6 + f + j]
+            out[f"rewards/{name}/mean"] = total[6 + j] / n if n else math.nan
+        return out
+
+
+def prompt_split(blocks: Any, what: str) -> PromptRows:
+    """The prompts of a split, or a clear error (shardlm.training.checks refuses other data first)."""
+    if isinstance(blocks, PromptRows):
+        return blocks
+    from shardlm import ShardlmError
+
+    raise ShardlmError(f"train.objective=grpo/rloo samples completions of prompts ({{'prompt': ...}} records, or chat "
+                       f"data); the {what} data is {type(blocks).__name__}. Give prompt records, or another "
+                       "train.objective.")
