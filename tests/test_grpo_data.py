@@ -105,3 +105,22 @@ def test_parquet_prompts(tok, tmp_path):
                                       tmp_path / "cache", log=lambda _: None))
     assert [rows.token_ids(i) for i in range(2)] == [list(b"2+2="), list(b"3+4=")]
     assert rows.prompt(1).fields == {"answer": "7"} and rows.where(1).endswith("p.parquet:row 2")
+
+
+def test_online_rl_takes_trls_defaults():
+    """A pretrained model under grpo/rloo takes TRL's learning rate (1e-6, LoRA or not); rloo takes RLOOConfig's
+    group and beta even from scratch, before the checks (batch 6 fits group 2, not grpo's 8); given keys win."""
+    from shardlm.config import load_config, task_defaults_note
+
+    room = ["grpo.max_completion_length=64"]
+    rloo = load_config(None, [*room, "train.objective=rloo", "train.batch_size=6"])
+    assert (rloo.grpo.group, rloo.grpo.beta, rloo.train.lr) == (2, 0.05, 3e-3)
+    assert task_defaults_note(rloo) == ("train.objective=rloo defaults (TRL's RLOOConfig): grpo.group=2, "
+                                        "grpo.beta=0.05; set any to override")
+    grpo = load_config(None, [*room, "train.objective=grpo", "model.name=./m", "lora.r=8", "train.batch_size=8"])
+    assert (grpo.grpo.group, grpo.grpo.beta, grpo.train.lr, grpo.train.warmup_steps) == (8, 0.0, 1e-6, 0)
+    assert "train.objective=grpo takes TRL's GRPOConfig's): train.lr=1e-06" in task_defaults_note(grpo)
+    given = load_config(None, [*room, "train.objective=rloo", "model.name=./m", "grpo.group=4", "train.lr=1e-5"])
+    assert (given.grpo.group, given.grpo.beta, given.train.lr) == (4, 0.05, 1e-5)
+    with pytest.raises(ShardlmError, match="train.batch_size=6 counts completions"):
+        load_config(None, [*room, "train.objective=grpo", "train.batch_size=6"])

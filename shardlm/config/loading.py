@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from shardlm import ShardlmError
 from shardlm.config.checks import canonical_sharding, validate
+from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.config.schema import KEY_ALIASES, Config, all_keys
 from shardlm.config.suggest import nearest
 
@@ -165,19 +166,16 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def load_config(path: str | Path | list | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults <- YAML file(s), later ones winning <- overrides, type-checked; then cross-field validation.
-    A pretrained model gets fine-tuning defaults for the keys no file or override gave (`task_defaults`)."""
+    A pretrained model gets fine-tuning defaults for the keys no file or override gave (`task_defaults`), before
+    the cross-field checks (which see rloo's grpo.group, not grpo's)."""
     values: dict[str, Any] = {}
     for one in [] if path is None else path if isinstance(path, list) else [path]:
         values.update(_read_yaml(config_path(one)))
     cli = parse_overrides(overrides or [])
     _check_keys(dict(cli), "the command line")
     values.update(cli)
-    cfg = build_config(values)
-    for key, value in task_defaults(cfg).items():
-        if key not in values:
-            section, name = key.split(".")
-            setattr(getattr(cfg, section), name, value)
-    return cfg
+    defaults = {k: v for k, v in task_defaults(build_config(values, check=False)).items() if k not in values}
+    return build_config({**values, **defaults})
 
 
 def _value(cfg: Config, key: str) -> Any:
@@ -191,13 +189,20 @@ def _value(cfg: Config, key: str) -> Any:
 FINETUNE_DEFAULTS: dict[str, float] = {"train.lr": 5e-5, "train.epochs": 3.0, "train.warmup_steps": 0,
                                        "train.weight_decay": 0.0}
 LORA_LR = 2e-4
+# Online RL takes TRL's: GRPOConfig's and RLOOConfig's learning rate (LoRA or not), and RLOOConfig's group and KL
+# coefficient for rloo (the grpo section's own defaults are GRPOConfig's: group 8, beta 0).
+RL_LR = 1e-6
+RLOO_DEFAULTS: dict[str, float] = {"grpo.group": 2, "grpo.beta": 0.05}
 
 
 def task_defaults(cfg: Config) -> dict[str, float]:
-    """The defaults of the run's task that differ from the dataclass's: none from scratch (model.name null)."""
+    """The defaults of the run's task that differ from the dataclass's: none from scratch (model.name null) but
+    rloo's own."""
+    out = RLOO_DEFAULTS if cfg.train.objective == "rloo" else {}
     if cfg.model.name is None:
-        return {}
-    return {**FINETUNE_DEFAULTS, "train.lr": LORA_LR if cfg.lora.r > 0 else FINETUNE_DEFAULTS["train.lr"]}
+        return dict(out)
+    lr = RL_LR if cfg.train.objective in RL_OBJECTIVES else LORA_LR if cfg.lora.r > 0 else FINETUNE_DEFAULTS["train.lr"]
+    return {**FINETUNE_DEFAULTS, "train.lr": lr, **out}
 
 
 def task_defaults_note(cfg: Config) -> str | None:
@@ -208,11 +213,15 @@ def task_defaults_note(cfg: Config) -> str | None:
             if _value(cfg, key) == value and key not in unused]
     if not used:
         return None
+    trl = f"TRL's {'RLOOConfig' if cfg.train.objective == 'rloo' else 'GRPOConfig'}"
+    if cfg.model.name is None:
+        return f"train.objective={cfg.train.objective} defaults ({trl}): {', '.join(used)}; set any to override"
     what = "a pretrained model with LoRA" if cfg.lora.r > 0 else "a pretrained model"
-    return f"fine-tuning defaults (model.name is {what}): {', '.join(used)}; set any to override"
+    rl = f"; train.objective={cfg.train.objective} takes {trl}'s" if cfg.train.objective in RL_OBJECTIVES else ""
+    return f"fine-tuning defaults (model.name is {what}{rl}): {', '.join(used)}; set any to override"
 
 
-def build_config(flat: dict[str, Any]) -> Config:
+def build_config(flat: dict[str, Any], check: bool = True) -> Config:
     known = all_keys()
     schema = OmegaConf.structured(Config)
     for key, value in flat.items():
@@ -236,7 +245,8 @@ def build_config(flat: dict[str, Any]) -> Config:
             ) from None
     cfg = cast(Config, OmegaConf.to_object(schema))  # the structured schema gives back a Config
     cfg.parallel.sharding = canonical_sharding(cfg.parallel.sharding)
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
