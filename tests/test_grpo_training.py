@@ -1,0 +1,137 @@
+"""Online RL in the training loop (shardlm.training.rl_step): the completions' log-probabilities through the chunked
+head, a tiny model that learns a rule-based reward through `shardlm.train`, 2 ranks = 1 process, and a kill -9
+resume = the uninterrupted run (with a KL reference and num_iterations 2, whose first step has KL 0 and ratio 1)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from faults import fault
+
+from helpers import by_step, records, shardlm_cli, tiny, train_in_process
+
+REWARDS = '''
+def low_ids(completion_ids, **_):
+    """The share of a completion's tokens below 64: a rule a tiny random model can learn (chance is ~1/4)."""
+    return [sum(t < 64 for t in c) / max(len(c), 1) for c in completion_ids]
+'''
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory) -> tuple[Path, str]:
+    """64 text prompts with an `answer` each, and a reward module; (prompts file, grpo.rewards)."""
+    folder = tmp_path_factory.mktemp("rl")
+    rng = random.Random(0)
+    lines = [json.dumps({"prompt": "".join(rng.choice("bcdefg") for _ in range(rng.randint(2, 5))) + ":",
+                         "answer": "aaa"}) for _ in range(64)]
+    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "rewards.py").write_text(REWARDS)
+    return folder / "prompts.jsonl", f"[{folder / 'rewards.py'}:low_ids]"
+
+
+def rl_args(data: tuple[Path, str], cache_dir: Path, out: Path, **extra) -> list[str]:
+    return tiny(data[0], cache_dir, out, **{
+        "train.objective": "grpo", "grpo.rewards": data[1], "grpo.group": 4, "grpo.max_completion_length": 4,
+        "train.batch_size": 8, "train.max_steps": 4, "train.warmup_steps": 0, "train.lr": 3e-2,
+        "model.dropout": 0.0, **extra})
+
+
+def test_completion_logps_are_the_padded_references():
+    """Through the chunked head (chunks smaller than the targets), the log-probabilities, entropies and gradients
+    are those of the whole logits on TRL's padded layout (shardlm.rl.logps), at the sampling temperature."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardlm.models.causal_lm import CausalLM
+    from shardlm.rl.logps import completion_logps
+    from shardlm.rl.sampling import Rollout
+    from shardlm.training.rl_step import micro_batch
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=64, n_layer=2, n_embd=32, n_head=2,
+                                    bos_token_id=39, eos_token_id=39, initializer_range=0.3)).eval()
+    rollout = Rollout([[5, 6, 7], [8]], [[1, 2], [3], [4, 4, 9], [10]], [False] * 4, group=2)
+    padded = rollout.padded(pad=39)
+    lengths = padded["completion_mask"].bool()
+    want, want_entropy = completion_logps(hf, padded, temperature=0.7, with_entropy=True)
+    tokens, positions, targets, got_lengths = micro_batch([rollout.prompt_of(i) for i in range(4)],
+                                                          rollout.completions, 39, torch.device("cpu"))
+    assert torch.equal(got_lengths, lengths)
+    got, entropy = CausalLM(hf, loss_chunk_size=3).completion_logps(tokens, positions, targets, 0.7, True)
+    torch.testing.assert_close(got, want[lengths], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy[lengths], atol=1e-5, rtol=1e-5)
+    weights = torch.randn(got.shape)
+    (got * weights).sum().backward()
+    grads = [p.grad.clone() for p in hf.parameters()]
+    hf.zero_grad()
+    (completion_logps(hf, padded, temperature=0.7)[0][lengths] * weights).sum().backward()
+    for g, p in zip(grads, hf.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_tiny_model_learns_a_rule_based_reward(rl_data, cache_dir, tmp_path, capsys):
+    """`shardlm.train` with train.objective=grpo: the train reward rises from chance (~0.25) to > 0.8 in 12 steps
+    of 4 prompts x 8 completions; the validation's sampled reward rises with it; the records hold TRL's metrics and
+    each log step prints samples with their rewards."""
+    torch.set_num_threads(1)
+    summary = train_in_process(rl_args(rl_data, cache_dir, tmp_path, **{
+        "grpo.group": 8, "train.batch_size": 32, "train.max_steps": 12, "train.eval_every": 2,
+        "checkpoint.save_final": False}))
+    rewards = [r["reward"] for r in records(tmp_path)]
+    assert rewards[0] < 0.4 and sum(rewards[-3:]) / 3 > 0.8, rewards
+    val = records(tmp_path, "val")
+    assert val[0]["reward"] < 0.6 < 0.8 < summary["val"]["reward"], val
+    assert summary["val"]["prompts"] == 7 and summary["val"]["exact_match"] == 0.0
+    name = rl_data[1][1:-1]
+    assert {"reward_std", f"rewards/{name}/mean", f"rewards/{name}/std", "frac_reward_zero_std",
+            "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean", "entropy",
+            "completions_per_s"} <= set(records(tmp_path)[-1])
+    out = capsys.readouterr().out
+    assert out.count("  sample: ...") == 24 and f"({name} " in out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(rl_data, cache_dir, tmp_path_factory):
+    """One process, 4 steps: a KL reference (the frozen initial model), num_iterations 2, validation at 2 and 4."""
+    out = tmp_path_factory.mktemp("rl_one")
+    shardlm_cli(["train", *rl_args(rl_data, cache_dir, out, **KL_MU)])
+    return out
+
+
+KL_MU = {"grpo.beta": 0.1, "grpo.num_iterations": 2, "train.eval_every": 2, "train.grad_accum": 2,
+         "train.batch_size": 4, "grpo.epsilon": 0.05}
+
+
+def test_two_ranks_train_what_one_process_trains(uninterrupted, rl_data, cache_dir, tmp_path):
+    """2 ranks (FSDP2, each half the prompts, keyed samples, the reference sharded as the policy) give the one
+    process's completions, rewards, losses and validation; at step 1 the policy is the reference and its own
+    old policy: KL 0 and no ratio clipped; the round's second step trains against the stored old log-probabilities."""
+    shardlm_cli(["train", *rl_args(rl_data, cache_dir, tmp_path, **{**KL_MU, "train.grad_accum": 1})], nproc=2)
+    got, want = records(tmp_path), records(uninterrupted)
+    assert len(got) == len(want) == 4
+    assert want[0]["kl"] == pytest.approx(0, abs=1e-7) and want[0]["clip_ratio/region_mean"] == 0
+    assert want[1]["kl"] > 0 and want[1]["clip_ratio/region_mean"] > 0
+    assert "reward" in want[0] and "reward" not in want[1] and "reward" in want[2]  # a round every 2 steps
+    for a, b in zip(got, want, strict=True):
+        for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):
+            assert a.get(key) == b.get(key), key
+        assert (a["loss"], a["kl"], a["entropy"], a["grad_norm"]) == pytest.approx(
+            (b["loss"], b["kl"], b["entropy"], b["grad_norm"]), rel=1e-4, abs=1e-6)
+    for a, b in zip(records(tmp_path, "val"), records(uninterrupted, "val"), strict=True):
+        assert (a["reward"], a["exact_match"], a["prompts"]) == pytest.approx(
+            (b["reward"], b["exact_match"], b["prompts"]), rel=1e-6)
+
+
+def test_a_killed_run_resumes_exactly(uninterrupted, rl_data, cache_dir, tmp_path):
+    """kill -9 after the checkpoint of step 2 (a round's end), then rerun: the uninterrupted run's records (the
+    sampling keys are the prompts' places in the data order: no sampling state is saved)."""
+    args = ["train", *rl_args(rl_data, cache_dir, tmp_path, **{**KL_MU, "checkpoint.every": 2})]
+    assert shardlm_cli([*args, fault("KillAfterSave(2)")], check=False).returncode != 0
+    shardlm_cli(args)
+    got, want = by_step(tmp_path), by_step(uninterrupted)
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), rel=1e-5, abs=1e-7)
+    assert [r["reward"] for r in records(tmp_path) if "reward" in r] == \
+        [r["reward"] for r in records(uninterrupted) if "reward" in r]
