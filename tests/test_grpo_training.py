@@ -91,6 +91,11 @@ def test_a_tiny_model_learns_a_rule_based_reward(rl_data, cache_dir, tmp_path, c
             "completions_per_s"} <= set(records(tmp_path)[-1])
     out = capsys.readouterr().out
     assert out.count("  sample: ...") == 24 and f"({name} " in out
+    from shardlm.observe.plot import plot_runs
+
+    written = {p.name for p in plot_runs([str(tmp_path)])}
+    assert {"rl_reward.png", "rl_shares.png", "rl_entropy.png", "rl_rewards_by_function.png"} <= written
+    assert "rl_kl.png" not in written and "an online RL run's validation samples" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -59,9 +59,23 @@ PANELS = (
           (("train", "rewards/accuracy"), ("val", "rewards/accuracy")), scale=100, y="zero"),
     Panel("logps.png", "Answer log-probabilities (preference pairs)", "log-probability per answer (nats)",
           tuple((s, f"logps/{side}") for s in ("train", "val") for side in ("chosen", "rejected"))),
+    Panel("rl_reward.png", "Reward (online RL): sampled, and held-out greedy exact match", "reward; exact match",
+          (("train", "reward"), ("val", "reward"), ("val", "exact_match"))),
+    Panel("rl_shares.png", "Groups and tokens (online RL)", "share (%)",
+          (("train", "frac_reward_zero_std"), ("train", "completions/clipped_ratio"),
+           ("train", "clip_ratio/region_mean")), scale=100, y="zero"),
+    Panel("rl_completion_length.png", "Completion length (online RL)", "tokens",
+          tuple(("train", f"completions/{m}") for m in ("mean_length", "min_length", "max_length",
+                                                           "mean_terminated_length")), y="zero"),
+    Panel("rl_entropy.png", "Policy entropy over the completions' tokens (online RL)", "entropy (nats)",
+          (("train", "entropy"),), y="zero"),
+    Panel("rl_kl.png", "KL to the initial model (online RL, grpo.beta > 0)", "KL (k3, nats/token)",
+          (("train", "kl"),), y="zero"),
 )
 MOE_PANELS = ("expert_load.png", "router_aux_loss.png")
 PAIR_PANELS = ("rewards.png", "reward_accuracy.png", "logps.png")
+RL_PANELS = ("rl_reward.png", "rl_shares.png", "rl_completion_length.png", "rl_entropy.png", "rl_kl.png",
+             "rl_rewards_by_function.png")
 TOKEN_METRICS = ("ppl", "accuracy")  # of text and examples; a pair record's (chosen answers' ppl, rewards') are not
 STYLES = ("-", "--", ":", "-.", (0, (3, 1, 1, 1, 1, 1)))  # one per series of a panel
 PEAK_MEM = {"cpu": "peak RSS of the process (CPU)", "cuda": "peak allocated by PyTorch (CUDA)",
@@ -72,7 +86,25 @@ METRIC_NAMES = {"gpu_mem_used_gb": "GPU memory used (NVML)", "ppl": "perplexity"
                 "rouge_l": "ROUGE-L", "mauve": "MAUVE", "expert_load_min": "least-loaded expert",
                 "expert_load_max": "most-loaded expert", "expert_load_cv": "coefficient of variation",
                 "router_aux_loss": "aux loss", "rewards/chosen": "chosen", "rewards/rejected": "rejected",
-                "rewards/accuracy": "reward accuracy", "logps/chosen": "chosen", "logps/rejected": "rejected"}
+                "rewards/accuracy": "reward accuracy", "logps/chosen": "chosen", "logps/rejected": "rejected",
+                "frac_reward_zero_std": "groups with equal rewards", "completions/clipped_ratio": "cut at max length",
+                "clip_ratio/region_mean": "tokens with a clipped ratio", "exact_match": "greedy exact match",
+                "completions/mean_terminated_length": "mean of those that ended"}
+
+
+def metric_name(metric: str) -> str:
+    """A record key as a legend names it: `rewards/NAME/mean` (online RL's per function) is NAME."""
+    if metric.startswith("rewards/") and metric.endswith("/mean"):
+        return metric.removeprefix("rewards/").removesuffix("/mean")
+    return METRIC_NAMES.get(metric, metric.removeprefix("completions/").replace("_", " "))
+
+
+def reward_functions_panel(runs: list[RunData]) -> Panel:
+    """Online RL's reward per function (their names come from the records), up to as many as there are styles."""
+    names = dict.fromkeys(k for run in runs for r in run.records if r.get("split") == "train" for k in r
+                          if k.startswith("rewards/") and k.endswith("/mean"))
+    return Panel("rl_rewards_by_function.png", "Reward per function (online RL, train)", "mean reward",
+                 tuple(("train", k) for k in list(names)[:len(STYLES)]))
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -162,7 +194,7 @@ def plot_series(ax: Axes, panel: Panel, runs: list[RunData]) -> list[float]:
                 continue
             xs, raw = zip(*pts, strict=True)
             ys = [y * panel.scale for y in raw]
-            what = PEAK_MEM[run.device] if metric == "peak_mem_gb" else METRIC_NAMES.get(metric, metric)
+            what = PEAK_MEM[run.device] if metric == "peak_mem_gb" else metric_name(metric)
             label = f"{split} {what}" if any(s == "val" for s, _ in panel.series) else what
             ax.plot(xs, ys, linestyle=STYLES[j], color=f"C{i if len(runs) > 1 else j}", markersize=4,
                     marker="o" if split == "val" or len(xs) < 10 else None,  # a line through 1 point is invisible
@@ -214,6 +246,10 @@ def why_missing(panel: Panel, runs: list[RunData]) -> str:
             "pairs" in r for run in runs for r in run.records):
         return (f"no {panel.file}: a preference run's validation scores pairs, not next tokens (rewards.png and "
                 "reward_accuracy.png draw them)")
+    if panel.file in ("val_perplexity.png", "val_accuracy.png") and any(
+            "reward" in r for run in runs for r in run.records if r.get("split") == "val"):
+        return (f"no {panel.file}: an online RL run's validation samples completions of prompts (rl_reward.png "
+                "draws its reward and exact match)")
     metrics = ", ".join(f"{split} {metric}" for split, metric in panel.series)
     return f"no {panel.file}: " + why.get(panel.file, f"no run has {metrics} records")
 
@@ -229,10 +265,10 @@ def plot_runs(runs: list[str], out: str | None = None,
     out_dir = Path(out) if out else Path(runs[0]) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for panel in PANELS:
+    for panel in (*PANELS, reward_functions_panel(data)):
         if (fig := draw(panel, data)) is not None:
             fig.savefig(out_dir / panel.file)
             written.append(out_dir / panel.file)
-        elif panel.file not in MOE_PANELS + PAIR_PANELS:  # a dense or sft run has none: nothing missing to explain
+        elif panel.file not in MOE_PANELS + PAIR_PANELS + RL_PANELS:  # a run without them: nothing to explain
             log(why_missing(panel, data))
     return written
