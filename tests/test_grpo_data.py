@@ -85,15 +85,15 @@ def test_the_cache_renders_once_and_reloads_the_same(tok, tmp_path):
 def test_chat_tasks_as_prompts(tok):
     """The bundled chat tasks serve as prompts: the last answer is `answer`; without data.val the last
     data.val_fraction is held out (the same cache, another range). `dist` None writes nothing (a dry run)."""
-    train, val = prepare_prompts(DataConfig(train="chat_tasks", val_fraction=0.25), tok, None)
-    first = json.loads(resolve("chat_tasks", "train", None).files[0].open().readline())
+    train, val = prepare_prompts(DataConfig(train="chat_tasks_heldout", val_fraction=0.25), tok, None)
+    lines = resolve("chat_tasks_heldout", "train", None).files[0].read_text().splitlines()
+    first, held = json.loads(lines[0]), json.loads(lines[150])
+    assert (len(train), len(val)) == (150, 50) and train.field_names == val.field_names == ["answer"]
     assert train.prompt(0).prompt == first["messages"][:-1]
     assert train.prompt(0).fields["answer"] == first["messages"][-1]["content"]
-    whole = len(train) + len(val)
-    assert len(train) == int(whole * 0.75) and len(val) > 0
-    assert val.where(0).endswith(f"train.jsonl:{len(train) + 1}") and "answer" in val.field_names
-    heldout = prepare_prompts(DataConfig(train="chat_tasks", val="chat_tasks_heldout"), tok, None)[1]
-    assert len(heldout) == 200 and heldout.where(199).endswith("heldout.jsonl:200")
+    assert val.where(0).endswith("heldout.jsonl:151") and val.prompt(0).fields["answer"] == \
+        held["messages"][-1]["content"]
+    assert val.token_ids(0) == prompt_token_ids(tok, val.prompt(0))
 
 
 def test_parquet_prompts(tok, tmp_path):
@@ -124,3 +124,40 @@ def test_online_rl_takes_trls_defaults():
     assert (given.grpo.group, given.grpo.beta, given.train.lr) == (4, 0.05, 1e-5)
     with pytest.raises(ShardlmError, match="train.batch_size=6 counts completions"):
         load_config(None, [*room, "train.objective=grpo", "train.batch_size=6"])
+
+
+def train_cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`shardlm train ARGV` in this process (its refusals come before any process group): exit code, last line."""
+    from shardlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", *argv])
+    return e.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+RL_RUN = ["model.tokenizer=bytes", "model.chat_template=chatml", "model.n_layer=1", "model.n_embd=16",
+          "model.n_head=1", "model.n_positions=64", "data.seq_len=48", "train.objective=grpo", "grpo.group=2",
+          "train.batch_size=2", "grpo.max_completion_length=16", "train.max_steps=1", "data.cache_dir=cache",
+          "out_dir=run", "parallel.device=cpu", "log.tensorboard=false"]
+
+
+def test_a_run_refuses_a_prompt_too_long_and_text(tmp_path, monkeypatch, capsys):
+    """A prompt longer than data.seq_len - grpo.max_completion_length is refused with its path:line before anything
+    is written to the run (an earlier file in out_dir is kept byte for byte); a text corpus, which holds no
+    prompts, in one line naming the fix."""
+    monkeypatch.chdir(tmp_path)
+    chat = [{"messages": [{"role": "user", "content": "Reverse: " + "ab" * n}, {"role": "assistant", "content": "x"}]}
+            for n in (1, 2, 20, 1)]
+    write_jsonl(tmp_path / "p.jsonl", chat)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_bytes(b"mine\n")
+    code, line = train_cli(["data.train=p.jsonl", "data.val=p.jsonl", *RL_RUN], capsys)
+    assert code == 2 and line == ("error: p.jsonl:3: the prompt has 68 tokens, more than the 32 that data.seq_len=48 "
+                                  "leaves beside grpo.max_completion_length=16: raise data.seq_len, lower "
+                                  "grpo.max_completion_length, or shorten the prompt.")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
+    assert (tmp_path / "run" / "notes.txt").read_bytes() == b"mine\n"
+    (tmp_path / "corpus.txt").write_text("To be or not to be.\n" * 50)
+    code, line = train_cli(["data.train=corpus.txt", *RL_RUN], capsys)
+    assert code == 2 and line.startswith("error: data.train='corpus.txt': it is plain text, but online RL "
+                                         "(train.objective grpo/rloo) samples completions of prompts: give records")

@@ -72,8 +72,8 @@ def counting_loader(enough: int, exact: list[bool]) -> Callable:
     return load
 
 
-def train_sampler(train: Blocks, seed: int) -> GlobalSampler | MixtureSampler:
-    """The global order of the training blocks: one source's epochs, or a mixture's weighted rounds."""
+def train_sampler(train: Split, seed: int) -> GlobalSampler | MixtureSampler:
+    """The global order of the training blocks (or prompts): one source's epochs, or a mixture's weighted rounds."""
     if isinstance(train, MixtureBlocks):
         return MixtureSampler(train.sizes, train.weights, seed)
     return GlobalSampler(len(train), seed)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from shardlm.config import Config
-from shardlm.data import Blocks, prepare_data
+from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.data import Split, prepare_data, prepare_prompts
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
@@ -39,8 +40,8 @@ class Run:
     model: CausalLM
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    train: Blocks  # TokenBlocks of one source, MixtureBlocks of a list data.train
-    val: Blocks
+    train: Split  # TokenBlocks of one source, MixtureBlocks of a list data.train, PromptRows for grpo/rloo
+    val: Split
     total_steps: int
     out_dir: Path
 
@@ -120,6 +121,13 @@ def describe_optimizer(run: Run) -> str:
     return optimizers.describe(run.optimizer, schedule.describe() if schedule is not None else None)
 
 
+def load_data(cfg: Config, tokenizer, dist: Dist) -> tuple[Split, Split]:
+    """The training and validation splits: prompts for online RL (grpo, rloo: what is sampled from), else blocks."""
+    if cfg.train.objective in RL_OBJECTIVES:
+        return prepare_prompts(cfg.data, tokenizer, dist)
+    return prepare_data(cfg.data, tokenizer, dist)
+
+
 def build(cfg: Config) -> Run:
     """The run's checks (shardlm.training.checks, the list `--dry-run` runs too) come before the work they guard:
     those that need no data (out_dir, the tokenizer, the model's config against data.seq_len) before tokenizing,
@@ -129,7 +137,7 @@ def build(cfg: Config) -> Run:
     out, resumed = checks.check_setup(cfg, pl, d.device, d.run_on_main)
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
-    train, val = prepare_data(cfg.data, tokenizer, d)
+    train, val = load_data(cfg, tokenizer, d)
     total = checks.check_data(cfg, hf_cfg, train, val, d.data_parallel, d.print)
     checks.check_resume(cfg, hf_cfg, train, val, resumed, d.run_on_main)
     torch.manual_seed(cfg.train.seed)
