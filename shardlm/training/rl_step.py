@@ -120,14 +120,23 @@ class RLStep:
 
     # ---- state --------------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"rl_tokens": self.tokens_seen}
+        return {"rl_tokens": self.tokens_seen, "rl_round_used": self.round.used if self.round else 0}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.tokens_seen = int(state.get("rl_tokens", 0))
+        used = int(state.get("rl_round_used", 0))
+        if 0 < used < self.g.num_iterations:  # a stop (a signal, a callback) inside a round
+            self.dist.print(f"note: this checkpoint was saved after {used} of the grpo.num_iterations="
+                            f"{self.g.num_iterations} steps of its generation round, which checkpoints do not hold: "
+                            "the run samples a new round now, and differs from an uninterrupted one from here on")
 
     def cycle_done(self) -> bool:
         """Whether the last round has served its num_iterations steps: a checkpoint then loses nothing."""
         return self.round is None or self.round.used >= self.g.num_iterations
+
+    def saves_at(self, step: int, total: int) -> bool:
+        """Periodic checkpoints wait for a round's end (num_iterations > 1), the last step's does not."""
+        return self.cycle_done() or step == total
 
     # ---- collectives --------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -207,13 +216,12 @@ class RLStep:
         return logps
 
     # ---- a step -------------------------------------------------------------------------------------------------
-    def micro_steps(self, order: Callable[[int], np.ndarray], position: int
-                    ) -> tuple[int, torch.Tensor, dict[str, float]]:
+    def micro_steps(self, order: Any, position: int) -> tuple[int, torch.Tensor, dict[str, float]]:
         """A step's forwards and backwards: (1, this rank's share of the step's loss, the step's statistics over
-        every rank). `order(n)` gives the next n prompts of the data order from `position`."""
+        every rank). `order` is the data order (the trainer's sampler), `position` the next prompt's place in it."""
         self.taken = 0
         if self.cycle_done():
-            self.round = self._new_round(order(self.per_step), position)
+            self.round = self._new_round(order.indices(position, self.per_step), position)
             self.taken = self.per_step
         r = self.round
         assert r is not None

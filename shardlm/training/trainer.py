@@ -28,6 +28,7 @@ from shardlm.config import Config
 from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
+from shardlm.data.prompts import PromptRows
 from shardlm.distributed import xla
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
@@ -70,10 +71,9 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
-        pairs = t.objective not in ("sft", *RL_OBJECTIVES)
+        rl, pairs = t.objective in RL_OBJECTIVES, t.objective not in ("sft", *RL_OBJECTIVES)
         self.preference = Preference(self.cfg, self.device, build_model) if pairs else None
-        self.rl = RLStep(run, self.batch, self.accum, self.autocast, build_model) \
-            if t.objective in RL_OBJECTIVES else None
+        self.rl = RLStep(run, self.batch, self.accum, self.autocast, build_model) if rl else None
         self.validator = Validator(self.dist, self.batch, t.eval_batches, self.autocast, self._batch)
         # The step's gradient norm is read on the host one step late where the optimizer takes the clip factor
         # (training.optim.update decides, and the run header says which)
@@ -151,6 +151,11 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ---- batches -------------------------------------------------------------------------------------------
+    @staticmethod
+    def blocks(split: Blocks | PromptRows) -> Blocks:
+        assert not isinstance(split, PromptRows), "online RL reads its prompts in training.rl_step"
+        return split
+
     def _batch(self, blocks: Blocks, indices: np.ndarray) -> Batch:
         batch = blocks.batch(indices)
         if self.device.type == "cuda":
@@ -174,11 +179,11 @@ class Trainer:
     def _train_batch(self, m: int) -> Batch:
         key: Key = (self.position, m)
         if not self.prefetch:
-            return self._batch(self.run.train, self._indices(*key))
+            return self._batch(self.blocks(self.run.train), self._indices(*key))
         batch = self._prefetcher.next(key) if self._prefetcher else None
         if batch is None:  # first step, or the position moved (a checkpoint was loaded)
             self.close()
-            self._prefetcher = Prefetcher(self.run.train.batch, self._micro_batches(*key), self.device)
+            self._prefetcher = Prefetcher(self.blocks(self.run.train).batch, self._micro_batches(*key), self.device)
             batch = self._prefetcher.next(key)
             assert batch is not None  # a new prefetcher starts at `key`
         return batch
@@ -204,7 +209,7 @@ class Trainer:
         """Targets of the whole optimizer step (every rank and micro-batch): examples differ in target count, so
         the loss sum is divided once by the global count, never by a micro-batch's own. Read from the sampler on
         the host: no collective, the same on any world size."""
-        train = self.run.train
+        train = self.blocks(self.run.train)
         if isinstance(train, TokenBlocks):
             return self.global_batch * self.seq_len
         return max(1, train.targets(self.sampler.indices(self.position, self.global_batch)))
@@ -225,8 +230,7 @@ class Trainer:
         if self.preference is not None:
             targets, loss_sum, stats = self._preference_micro_steps()
         elif self.rl is not None:  # online RL: a generation round, then its completions (training.rl_step)
-            targets, loss_sum, stats = self.rl.micro_steps(
-                lambda n: self.sampler.indices(self.position, n), self.position)
+            targets, loss_sum, stats = self.rl.micro_steps(self.sampler, self.position)
         else:
             targets = self.step_targets()
             per_rank = targets * self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
@@ -330,7 +334,7 @@ class Trainer:
         if self.rl is not None:
             return self.rl.validate(self.run.val, self.cfg.train.eval_batches)
         if self.preference is None:
-            return self.validator.validate(self.model, self.run.val, TokenScores())
+            return self.validator.validate(self.model, self.blocks(self.run.val), TokenScores())
         rows = pair_rows(self.run.val, "validation")
         self.preference.prepare(self.reference_source())
         return self.validator.validate(self.model, rows, PairScores(self.preference))
@@ -388,10 +392,8 @@ class Trainer:
             return
         signalled = self.checkpointer.should_stop()
         self.stop_requested = self.stop_requested or signalled
-        # online RL with num_iterations > 1 saves at a round's end: the next step then samples a new one
-        due = self.checkpointer.due(self.step, self.run.total_steps) and \
-            (self.rl is None or self.rl.cycle_done() or self.step == self.run.total_steps)
-        if self.stop_requested or due:
+        due = self.checkpointer.due(self.step, self.run.total_steps)
+        if self.stop_requested or due and (self.rl is None or self.rl.saves_at(self.step, self.run.total_steps)):
             with report.timed("save"):
                 self.checkpointer.save(self.step)
 
