@@ -161,3 +161,22 @@ def test_a_run_refuses_a_prompt_too_long_and_text(tmp_path, monkeypatch, capsys)
     code, line = train_cli(["data.train=corpus.txt", *RL_RUN], capsys)
     assert code == 2 and line.startswith("error: data.train='corpus.txt': it is plain text, but online RL "
                                          "(train.objective grpo/rloo) samples completions of prompts: give records")
+
+
+def test_prepare_renders_the_prompt_cache_a_run_uses(tmp_path, monkeypatch, capsys):
+    """`shardlm prepare` of a grpo config builds the prompt cache (not an example cache of the same chat data), the
+    one the run then finds built."""
+    from shardlm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", CHAT * 3)
+    with pytest.raises(SystemExit) as done:
+        main(["prepare", "data.train=p.jsonl", *RL_RUN])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "train: p.jsonl: 6 prompts," in out and "training prompts are held out" in out
+    built = [p.parent for p in (tmp_path / "cache").glob("*/meta.json")]
+    assert len(built) == 1 and built[0].name.startswith("rl-")
+    tok = byte_tokenizer()
+    set_chat_template(tok, "chatml")
+    train, _ = prepare_prompts(DataConfig(train="p.jsonl", cache_dir="cache"), tok, None)
+    assert Path(train.meta["folder"]).resolve() == built[0].resolve()  # found, not rendered again

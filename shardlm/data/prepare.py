@@ -29,7 +29,7 @@ class Prepared:
     text_bytes: int | None  # None for a cache built by an older shardlm
     seconds: float
     cached: bool  # built earlier (by another run, or another rank while this one waited)
-    unit: str = "document"  # or an example cache's: "example", "pair"
+    unit: str = "document"  # or an example cache's: "example", "pair"; a prompt cache's "prompt"
 
     def line(self) -> str:
         mb = f"{self.text_bytes / 1e6:,.1f} MB" if self.text_bytes is not None else "? MB"
@@ -41,8 +41,10 @@ class Prepared:
 
 
 def prepare(cfg: Config, log=print) -> list[Prepared]:
+    from shardlm.config.grpo import RL_OBJECTIVES
     from shardlm.data.cache import build_cache, cache_root
     from shardlm.data.examples import build_examples, source_format
+    from shardlm.data.prompt_cache import build_prompts, prompt_source
     from shardlm.data.sources import resolve
     from shardlm.tokenizer import model_tokenizer
 
@@ -64,14 +66,18 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
             if not msg.startswith(("tokenized ", "rendered ")):  # the summary below says it
                 log(msg)
 
-        if source_format(source, cfg.data)[0] != "text":  # examples: rendered with the chat template
+        if cfg.train.objective in RL_OBJECTIVES:  # online RL's prompts, rendered with the generation prompt
+            source = prompt_source(spec, cfg.data, split, f"data.{name}")
+            folder = build_prompts(source, tokenizer, cfg.data, root, log=tee)
+        elif source_format(source, cfg.data)[0] != "text":  # examples: rendered with the chat template
             folder = build_examples(source, tokenizer, cfg.data, root, log=tee)
         else:
             folder = build_cache(source, tokenizer, root, cfg.data.text_field, cfg.data.hf_rows_are_documents,
                                  log=tee)
         meta = json.loads((folder / "meta.json").read_text())
         built_here = any(m.startswith(("tokenizing", "rendering")) for m in logs)
-        unit = "pair" if "pairs" in meta else "example" if "examples" in meta else "document"
+        unit = "pair" if "pairs" in meta else "example" if "examples" in meta else \
+            "prompt" if "prompts" in meta else "document"
         done.append(Prepared(name, spec, folder, meta.get(f"{unit}s", 0), meta["num_tokens"],
                              meta.get("text_bytes"), meta.get("seconds", time.time() - start) if built_here else 0.0,
                              not built_here, unit))
@@ -86,5 +92,6 @@ def prepare_command(cfg: Config) -> int:
         print("\n".join(p.line() for p in done))
         if not cfg.data.val:
             each = " of each source" if isinstance(cfg.data.train, list) else ""
-            print(f"val: none: the last {cfg.data.val_fraction:.0%} of the training tokens{each} are held out")
+            what = "prompts" if all(p.unit == "prompt" for p in done) else "tokens"
+            print(f"val: none: the last {cfg.data.val_fraction:.0%} of the training {what}{each} are held out")
     return 0

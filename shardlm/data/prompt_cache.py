@@ -139,7 +139,7 @@ def prompts_in_memory(source: Source, tok, cfg: DataConfig) -> PromptRows:
         return load_prompts(build_prompts(source, tok, cfg, Path(tmp), log=lambda _: None)).in_memory()
 
 
-def _source(spec: str, cfg: DataConfig, default_split: str, key: str) -> Source:
+def prompt_source(spec: str, cfg: DataConfig, default_split: str, key: str) -> Source:
     """The source of a prompt split, refused in one line when it holds plain text (no records to prompt with)."""
     source = resolve(spec, default_split, cfg.data_files)
     if cfg.format == "text" or first_record(source) is None:
@@ -154,7 +154,7 @@ def _source(spec: str, cfg: DataConfig, default_split: str, key: str) -> Source:
 def load_prompt_split(spec: str, cfg: DataConfig, tok, dist, default_split: str, key: str) -> PromptRows:
     """One source's prompts: rank 0 builds the cache while the others wait for it (a rank that cannot see its
     folder builds its own, as `load_split` does); `dist` None writes nothing (a dry run)."""
-    source = _source(spec, cfg, default_split, key)
+    source = prompt_source(spec, cfg, default_split, key)
     if dist is None:
         return prompts_in_memory(source, tok, cfg)
 
