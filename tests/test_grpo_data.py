@@ -180,3 +180,31 @@ def test_prepare_renders_the_prompt_cache_a_run_uses(tmp_path, monkeypatch, caps
     set_chat_template(tok, "chatml")
     train, _ = prepare_prompts(DataConfig(train="p.jsonl", cache_dir="cache"), tok, None)
     assert Path(train.meta["folder"]).resolve() == built[0].resolve()  # found, not rendered again
+
+
+def test_prompt_sources_that_cannot_serve(tok, tmp_path):
+    """Each refused in one line naming the fix: a mixture, a record without a prompt, a source with none left, a
+    field JSON cannot hold, a held-out share too small to hold one prompt."""
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "y"}] * 3)
+    with pytest.raises(ShardlmError, match=r"data.train is a list \(a mixture\), but online RL .* concatenate"):
+        prepare_prompts(DataConfig(train=[str(a), str(a)]), tok, None)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}, {"question": "q"}])
+    with pytest.raises(ShardlmError, match=r"bad.jsonl:2: no 'prompt' \(nor chat 'messages'\) in this record"):
+        prepare_prompts(DataConfig(train=str(bad)), tok, None)
+    none = write_jsonl(tmp_path / "none.jsonl", [{"question": "q"}])
+    with pytest.raises(ShardlmError, match=r"holds no prompts \(all 1 were skipped as bad; the first: .*none.jsonl:1"):
+        prepare_prompts(DataConfig(train=str(none), on_bad_example="skip"), tok, None)
+    (tmp_path / "obj.jsonl").write_text('{"prompt": "x", "blob": {"a": 1}}\n')  # JSON in, JSON out: fine
+    assert prepare_prompts(DataConfig(train=str(tmp_path / "obj.jsonl"), val=str(a)), tok, None)[0].prompt(0).fields \
+        == {"blob": {"a": 1}}
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"prompt": ["x"], "image": [b"\x89PNG"]}), tmp_path / "b.parquet")
+    with pytest.raises(ShardlmError, match=r"b.parquet:row 1: field 'image' holds a bytes, which the prompt cache "
+                                           "cannot store as JSON .* Convert it to text or numbers, or drop the field."):
+        prepare_prompts(DataConfig(train=str(tmp_path / "b.parquet"), val=str(a)), tok, None)
+    one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "x"}])
+    with pytest.raises(ShardlmError, match=r"the training data '.*one.jsonl' has no prompts with data.val_fraction=0.1 "
+                                           r"held out for validation. Use more prompts, data.val, or another"):
+        prepare_prompts(DataConfig(train=str(one)), tok, None)
