@@ -60,6 +60,18 @@ def _params(run: Run) -> str:
     return f"{total / 1e6:.2f}M parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
 
 
+def _data_and_steps(run: Run, blocks: int, seq: int) -> str:
+    """The data and the steps: blocks of seq_len tokens, or online RL's prompts and completions."""
+    if run.cfg.train.objective not in RL_OBJECTIVES:
+        return (f"data: {getattr(run.train, 'sampled_blocks', len(run.train)):,} train / {len(run.val):,} val "
+                f"blocks of {seq} tokens\n{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step)")
+    g = run.cfg.grpo
+    return (f"data: {len(run.train):,} train / {len(run.val):,} val prompts, each with up to "
+            f"{g.max_completion_length} completion tokens\n{run.total_steps} steps x {blocks} completions "
+            f"({blocks // g.group} prompts x grpo.group={g.group}), a generation round every "
+            f"{g.num_iterations} step{'s' * (g.num_iterations != 1)}")
+
+
 def run_header(run: Run) -> str:
     """Three lines: where and how the run trains, the model and data, the steps and batch; a fourth names the
     fine-tuning defaults in effect (a pretrained model.name)."""
@@ -77,9 +89,7 @@ def run_header(run: Run) -> str:
     blocks, seq = global_batch(run), cfg.data.seq_len
     return (f"shardlm: {where}; {d.device.type}, {cfg.parallel.precision}"
             + (f", {', '.join(extras)}" if extras else "") + "\n"
-            f"model: {_params(run)}; data: {getattr(run.train, 'sampled_blocks', len(run.train)):,} train / "
-            f"{len(run.val):,} val blocks of {seq} tokens\n"
-            f"{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step), out_dir {run.out_dir}"
+            f"model: {_params(run)}; {_data_and_steps(run, blocks, seq)}, out_dir {run.out_dir}"
             + "".join(f"\n{line}" for line in describe(run.train))
             + f"\n{describe_optimizer(run)}"
             + (f"\n{note}" if (note := task_defaults_note(cfg)) else "")
@@ -171,7 +181,8 @@ class Reporter:
                         **({"tokens_by_source": tokens_by_source} if tokens_by_source is not None else {})})
         evals_left = self._left(step, self.run.cfg.train.eval_every) + 1  # + the final one
         remaining = self.eta.remaining(step, evals_left, self._left(step, self.save_every))
-        self.progress.update(step, {"loss": f"{loss:.4f}", "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}
+        rl = {"reward": f"{pref['reward']:.3f}"} if "reward" in pref else {}  # online RL: the last round's
+        self.progress.update(step, {"loss": f"{loss:.4f}", **rl, "tok/s": f"{tps:,.0f}", "eta": fmt_time(remaining)}
                              | ({"mem": f"{peak_mem / 2**30:.1f}G"} if self.device.type == "cuda" else {}))
         for line in samples:
             self.progress.write(line)
