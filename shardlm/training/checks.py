@@ -29,16 +29,19 @@ import torch
 from shardlm import ShardlmError
 from shardlm.checkpoint import layout
 from shardlm.config import Config
-from shardlm.data import Blocks, ExampleRows, TokenBlocks, describe
+from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.data import ExampleRows, Split, TokenBlocks, check_prompts_fit, describe
 from shardlm.data.blocks import counted
 from shardlm.data.cache import cache_root
 from shardlm.data.examples import reference_problem
+from shardlm.data.prompts import PromptRows, completion_for_rewards
 from shardlm.distributed.parallelize import Plan, plan
 from shardlm.distributed.process_group import pick_device
 from shardlm.models import lora
 from shardlm.models.hf_config import check_packing
 from shardlm.models.preference import OBJECTIVES, REFERENCE_FREE
 from shardlm.observe import tracking
+from shardlm.rl.rewards import call, load_rewards
 from shardlm.training.optim import optimizers
 from shardlm.training.preference import (
     check_objective,
@@ -139,8 +142,10 @@ def check_resumed_masks(cfg: Config, path: Path, on_main: OnMain = _here) -> Non
                            f"(shardlm export {path} DIR, then model.name=DIR).")
 
 
-def count_steps(cfg: Config, train: Blocks, world: int) -> int:
+def count_steps(cfg: Config, train: Split, world: int) -> int:
     """train.epochs counts the blocks of all sampled sources of a mixture together (weight 0: left out)."""
+    if isinstance(train, PromptRows):
+        return _count_rl_steps(cfg, train, world)
     t = cfg.train
     global_batch = world * t.batch_size * t.grad_accum
     blocks = getattr(train, "sampled_blocks", len(train))  # a mixture's weight-0 sources are left out
@@ -155,19 +160,78 @@ def count_steps(cfg: Config, train: Blocks, world: int) -> int:
     return int(t.epochs * blocks // global_batch)
 
 
-def check_data(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, world: int,
+def check_data(cfg: Config, hf_cfg: Any, train: Split, val: Split, world: int,
                warn: Callable[[str], None] = print) -> int:
     """The checks of the cut blocks against the model and the objective; the run's steps. `hf_cfg` None: a dry
     run whose model could not be loaded (a hub name offline), so packing is not checked."""
-    if hf_cfg is not None:
-        check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
-    check_objective(cfg, train, val)
+    if cfg.train.objective in RL_OBJECTIVES:
+        check_prompts(cfg, train, val)
+    else:
+        if hf_cfg is not None:
+            check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
+        check_objective(cfg, train, val)
     total = count_steps(cfg, train, world)
     check_schedule(cfg.train, total, optimizers.optimizer_name(cfg.train.optimizer))
     note = long_warmup(cfg, total)
     if note:
         warn(note)
     return total
+
+
+def _count_rl_steps(cfg: Config, train: PromptRows, world: int) -> int:
+    """A step trains on global_batch / grpo.group prompts' completions; a round of them serves
+    grpo.num_iterations steps, so an epoch is num_iterations times the rounds the prompts make."""
+    t, g = cfg.train, cfg.grpo
+    global_batch = world * t.batch_size * t.grad_accum
+    per_step = global_batch // g.group
+    if len(train) < per_step:
+        raise ShardlmError(
+            f"the training data has {len(train):,} prompt{'s' * (len(train) != 1)}, fewer than one step's "
+            f"{per_step} (a global batch of {global_batch} completions = {world} device{'s' * (world != 1)} x "
+            f"train.batch_size={t.batch_size} x train.grad_accum={t.grad_accum}, grpo.group={g.group} per prompt). "
+            "Use more prompts or lower train.batch_size / train.grad_accum.")
+    if t.max_steps is not None:
+        return t.max_steps
+    return int(t.epochs * len(train) // per_step) * g.num_iterations
+
+
+def check_prompts(cfg: Config, train: Split, val: Split) -> list[str]:
+    """Online RL samples from prompts: each split is PromptRows whose longest prompt leaves room for a completion
+    in data.seq_len, and every reward function loads, takes the data's fields and scores dummy completions of
+    the first prompt. The probe's lines (what the rewards returned) for the dry run."""
+    for name, split in (("data.train", train), ("data.val", val)):
+        if not isinstance(split, PromptRows):
+            raise ShardlmError(f"train.objective={cfg.train.objective} samples completions of prompts, but {name} "
+                               f"was read as {type(split).__name__}: give records such as "
+                               '{"prompt": "...", "answer": "..."} or chat data ({"messages": [...]}).')
+        check_prompts_fit(split, cfg)
+    assert isinstance(train, PromptRows)
+    return probe_rewards(cfg, train)
+
+
+def probe_rewards(cfg: Config, rows: PromptRows) -> list[str]:
+    """Every reward of grpo.rewards called once, as the run calls it, on two completions of the first prompt: its
+    `answer` (or 'x') and the empty completion a model may sample. A module that does not import, a signature that
+    does not take the call, a field the data lacks, a raise, a wrong count, NaN or a wrong type then stop the run
+    before the model is loaded, not at its first step."""
+    rewards = load_rewards(cfg.grpo, rows.field_names)
+    if not len(rows):
+        return []
+    p, ids = rows.prompt(0), rows.token_ids(0)
+    answer = p.fields.get("answer")
+    texts = [answer if isinstance(answer, str) and answer.strip() else "x", ""]
+    completion_ids = [ids[:max(1, min(len(ids), cfg.grpo.max_completion_length))], []]  # their lengths only
+    fields = {k: [v] * len(texts) for k, v in p.fields.items()}
+    lines = []
+    for reward in rewards.rewards:
+        try:
+            values = call(reward, [p.prompt] * len(texts), [completion_for_rewards(t, p) for t in texts],
+                          completion_ids, fields)
+        except ShardlmError as e:
+            raise ShardlmError(f"on dummy completions ({texts[0]!r} and '', which a model can sample) of the first "
+                               f"prompt ({rows.where(0)}), called before training: {e}") from None
+        lines.append(f"{reward.name}: {', '.join('None' if v is None else f'{float(v):g}' for v in values)}")
+    return [f"rewards of the completions {texts[0]!r} and '' of the first prompt: " + "; ".join(lines)]
 
 
 def long_warmup(cfg: Config, total: int) -> str | None:
@@ -181,7 +245,7 @@ def long_warmup(cfg: Config, total: int) -> str | None:
             f"train.warmup_steps below {total} to train at train.lr.")
 
 
-def check_resume(cfg: Config, hf_cfg: Any, train: Blocks, val: Blocks, resumed: Path | None,
+def check_resume(cfg: Config, hf_cfg: Any, train: Split, val: Split, resumed: Path | None,
                  on_main: OnMain = _here) -> None:
     """A resumed preference run trains against the reference it started with: the precomputed values must be
     on disk, whole; a live reference must rebuild the same initial model. Refused here, before anything is written,
@@ -210,7 +274,7 @@ def _resumed_state(path: Path) -> dict[str, Any]:
     return {"step": layout.read_manifest(path).get("step", 0), "reference_key": state.get("reference_key")}
 
 
-def _stored_reference(cfg: Config, key: str, train: Blocks, val: Blocks) -> str:
+def _stored_reference(cfg: Config, key: str, train: Split, val: Split) -> str:
     """'' if each example set's stored reference is there with every pair scored, else 'NAME\tfound|missing'. The
     folder is named from the cache root, so a dry run's examples (rendered in memory) point at the run's cache."""
     for splits in _example_sets([pair_rows(train, "training"), pair_rows(val, "validation")]):
