@@ -26,7 +26,8 @@ from pathlib import Path
 
 from shardlm import ShardlmError
 from shardlm.config import Config, DataConfig
-from shardlm.data import Blocks
+from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.data import PromptRows, Split
 from shardlm.models import lora
 from shardlm.training import checks
 
@@ -134,7 +135,7 @@ class Counted:
     line: str
     steps: int | None
     examples: list[str]
-    blocks: tuple[Blocks, Blocks] | None = None
+    blocks: tuple[Split, Split] | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -153,6 +154,8 @@ def _count(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
     if any(resolve(spec, "train", d.data_files).hf for spec in specs):
         return Counted("blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)",
                        cfg.train.max_steps, [])
+    if cfg.train.objective in RL_OBJECTIVES:
+        return _count_prompts(cfg, tokenizer, hf_cfg, world)
     exact: list[bool] = []
     train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
     warnings: list[str] = []
@@ -165,6 +168,39 @@ def _count(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
     steps_known = f"; {steps:,} steps" if cfg.train.max_steps is not None else ""
     return Counted(f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}",
                    cfg.train.max_steps, examples, (train, val), warnings)
+
+
+def _count_prompts(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
+    """Online RL's prompts, rendered in memory (or read from their cache), then the run's checks of them, the
+    reward functions' call on the first prompt included: its lines show the prompt as the sampler sees it and
+    what each reward returned."""
+    from shardlm.data import prepare_prompts
+
+    train, val = prepare_prompts(cfg.data, tokenizer, None)
+    warnings: list[str] = []
+    steps = checks.check_data(cfg, hf_cfg, train, val, world, warnings.append)
+    t, g = cfg.train, cfg.grpo
+    rounds = f", a round of completions serving grpo.num_iterations={g.num_iterations} steps" \
+        if g.num_iterations > 1 else ""
+    line = (f"prompts: {len(train):,} train / {len(val):,} val; {steps:,} steps of "
+            f"{world * t.batch_size * t.grad_accum // g.group} prompts x grpo.group={g.group} completions{rounds}")
+    return Counted(line, steps, _prompt_lines(cfg, train, tokenizer), (train, val), warnings)
+
+
+def _prompt_lines(cfg: Config, train: PromptRows, tokenizer) -> list[str]:
+    """The prompt source, its first prompt's ids decoded (the chat template and generation prompt included: what
+    the sampler continues), its fields as the rewards get them, and each reward's values on dummy completions."""
+    p = train.prompt(0)
+    fields = ", ".join(f"{k}={_short(v)}" for k, v in p.fields.items()) or "none"
+    return [train.describe(),
+            f"first prompt ({train.where(0)}) as the sampler continues it, {len(train.token_ids(0))} tokens:\n"
+            f"{tokenizer.decode(train.token_ids(0))}",
+            f"its fields for the rewards: {fields}", *checks.probe_rewards(cfg, train)]
+
+
+def _short(value: object, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
@@ -194,8 +230,9 @@ def dry_run(cfg: Config, world_size: int) -> str:
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")
              + f", {cfg.parallel.precision}, compile {pl.compile}",
-             f"global batch: {world} x {cfg.train.batch_size} x {cfg.train.grad_accum} blocks of "
-             f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
+             f"global batch: {world} x {cfg.train.batch_size} x {cfg.train.grad_accum} "
+             + ("completions (prompt + completion) of up to " if cfg.train.objective in RL_OBJECTIVES else
+                "blocks of ") + f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
              *([note] if note else []), *counted.warnings, *finished,
              "dry run: the config is valid; nothing was trained or written"]
     return "\n".join(lines)
