@@ -186,6 +186,9 @@ class RLStep:
                 mb.ref = self._reference_logps(mb)
         if rloo and beta > 0:  # the KL goes into the reward, before the leave-one-out advantages
             kl = torch.cat([((mb.old - mb.ref) * mb.lengths).sum(1) for mb in r.micro]).cpu()  # type: ignore[operator]
+            sums = torch.stack([kl.sum(), torch.cat([mb.lengths.sum(1) for mb in r.micro]).sum().cpu()]).double()
+            self.all_reduce(sums)
+            r.metrics["kl"] = (sums[0] / sums[1].clamp(min=1)).item()  # TRL's: per token, old policy vs reference
             s = r.scored.scored
             advantages = rloo_advantages(r.scored.per_func, self.rewards.weight_tensor, self.g.group,
                                          self.g.normalize_advantages, kl=kl, beta=beta)
@@ -256,7 +259,7 @@ class RLStep:
         low, high, counted, kl, entropy, tokens = sums.tolist()
         stats = {"clip_ratio/low_mean": low / max(counted, 1), "clip_ratio/high_mean": high / max(counted, 1),
                  "clip_ratio/region_mean": (low + high) / max(counted, 1), "entropy": entropy / max(tokens, 1)}
-        if self.g.beta > 0 and self.objective != "rloo":
+        if self.g.beta > 0 and self.objective != "rloo":  # rloo's is the round's (its metrics)
             stats["kl"] = kl / max(tokens, 1)
         if fresh:  # the round's generation metrics, once (TRL logs them at generation)
             stats |= r.metrics

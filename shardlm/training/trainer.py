@@ -114,6 +114,10 @@ class Trainer:
             self.dist.print(f"note: global batch changed {state['global_batch']} -> {self.global_batch} blocks; "
                             f"the data stream continues at block {self.position}")
 
+    def tokens_seen(self) -> int:
+        """Tokens trained on; online RL: prompt and completion tokens sampled."""
+        return self.rl.tokens_seen if self.rl else self.position * self.seq_len
+
     def tokens_by_source(self) -> list[int] | None:
         """Training tokens seen from each source of a mixture (in data.train's order); None for one source."""
         if not isinstance(self.sampler, MixtureSampler):
@@ -363,7 +367,7 @@ class Trainer:
                 self.callbacks.on_step_end(self, result)
                 if log_due:
                     report.log_train(self.step, lr=result["lr"], grad_norm=result["grad_norm"],
-                                     tokens=self.rl.tokens_seen if self.rl else self.position * self.seq_len,
+                                     tokens=self.tokens_seen(),
                                      skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source(),
                                      samples=self.rl.sample_lines() if self.rl else ())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < total:
@@ -383,7 +387,7 @@ class Trainer:
     def _evaluate(self, report: reporting.Reporter) -> None:
         with report.timed("eval"):
             metrics = self.evaluate()
-        report.log_val(self.step, metrics, self.position * self.seq_len)
+        report.log_val(self.step, metrics, self.tokens_seen())
         self.callbacks.on_evaluate(self, metrics)
 
     def _maybe_save(self, report: reporting.Reporter) -> None:
