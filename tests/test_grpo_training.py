@@ -42,17 +42,21 @@ def rl_args(data: tuple[Path, str], cache_dir: Path, out: Path, **extra) -> list
 
 def test_completion_logps_are_the_padded_references():
     """Through the chunked head (chunks smaller than the targets), the log-probabilities, entropies and gradients
-    are those of the whole logits on TRL's padded layout (shardlm.rl.logps), at the sampling temperature."""
+    are those of the whole logits on TRL's padded layout (shardlm.rl.logps), at the sampling temperature; so are
+    those of the rows that hold a prompt once with its group's completions under a 4D mask (shared_batch)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from shardlm.models.causal_lm import CausalLM
+    from shardlm.models.attention import attention
+    from shardlm.models.causal_lm import CausalLM, shares_prefix
     from shardlm.rl.logps import completion_logps
     from shardlm.rl.sampling import Rollout
-    from shardlm.training.rl_step import micro_batch
+    from shardlm.training.rl_step import micro_batch, shared_batch
 
     torch.manual_seed(0)
-    hf = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=64, n_layer=2, n_embd=32, n_head=2,
-                                    bos_token_id=39, eos_token_id=39, initializer_range=0.3)).eval()
+    cfg = GPT2Config(vocab_size=40, n_positions=64, n_layer=2, n_embd=32, n_head=2, bos_token_id=39,
+                     eos_token_id=39, initializer_range=0.3)
+    cfg._attn_implementation = attention(cfg)  # as shardlm builds it (its SDPA)
+    hf = GPT2LMHeadModel(cfg).eval()
     rollout = Rollout([[5, 6, 7], [8]], [[1, 2], [3], [4, 4, 9], [10]], [False] * 4, group=2)
     padded = rollout.padded(pad=39)
     lengths = padded["completion_mask"].bool()
@@ -60,9 +64,16 @@ def test_completion_logps_are_the_padded_references():
     tokens, positions, targets, got_lengths = micro_batch([rollout.prompt_of(i) for i in range(4)],
                                                           rollout.completions, 39, torch.device("cpu"))
     assert torch.equal(got_lengths, lengths)
-    got, entropy = CausalLM(hf, loss_chunk_size=3).completion_logps(tokens, positions, targets, 0.7, True)
+    model = CausalLM(hf, loss_chunk_size=3)
+    got, entropy = model.completion_logps(tokens, positions, targets, 0.7, True)
     torch.testing.assert_close(got, want[lengths], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, want_entropy[lengths], atol=1e-5, rtol=1e-5)
+    *shared, shared_lengths, mask = shared_batch(rollout.prompts, rollout.completions, 2, 39, torch.device("cpu"))
+    assert shares_prefix(model) and torch.equal(shared_lengths, lengths) and shared[0].numel() < tokens.numel()
+    with torch.no_grad():
+        together, together_entropy = model.completion_logps(*shared, 0.7, True, mask)
+    torch.testing.assert_close(together, want[lengths], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(together_entropy, want_entropy[lengths], atol=1e-5, rtol=1e-5)
     weights = torch.randn(got.shape)
     (got * weights).sum().backward()
     grads = [p.grad.clone() for p in hf.parameters()]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.models.attention import one_sequence_per_row
+from shardlm.models.attention import CAUSAL_SDPA, one_sequence_per_row
 from shardlm.models.hf_config import logit_transform
 from shardlm.models.loss import IGNORE, linear_cross_entropy, logits_cross_entropy
 from shardlm.models.moe import router_objective
@@ -88,7 +88,7 @@ class CausalLM(nn.Module):
         return sequence_sums(F.linear(hidden, weight, bias), kept, seg, sequences)
 
     def completion_logps(self, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                         temperature: float = 1.0, with_entropy: bool = False
+                         temperature: float = 1.0, with_entropy: bool = False, mask: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each target's log-probability (fp32, in the order of `targets != -100` read row by row) at the sampling
         `temperature` (logits divided by it first, as the sampler drew them), and the entropy of each target's
@@ -96,8 +96,9 @@ class CausalLM(nn.Module):
 
         The head runs on the targets alone, in chunks whose logits are recomputed in backward
         (`target_logps`): no (tokens x vocab) logits are kept. A forward of its own, registered with FSDP2 as
-        `sequence_logps` is."""
-        out = self._body(tokens, positions)
+        `sequence_logps` is. `mask`: a (rows, 1, T, T) boolean attention mask (True: attend) for rows that share a
+        prompt among several completions (shardlm.training.rl_step), for the SDPA families `shares_prefix` names."""
+        out = self._body(tokens, positions, mask=mask)
         scale = 1.0 / temperature if temperature > 0 else 1.0
         if self.full_logits:
             keep = (targets.flatten() != IGNORE).nonzero().squeeze(1)
@@ -113,10 +114,13 @@ class CausalLM(nn.Module):
         chunk = self.loss_chunk_size or 1024
         return target_logps(hidden, weight, bias, kept, scale, chunk, with_entropy)
 
-    def _body(self, tokens: torch.Tensor, positions: torch.Tensor | None, routed: bool = False) -> Any:
+    def _body(self, tokens: torch.Tensor, positions: torch.Tensor | None, routed: bool = False,
+              mask: torch.Tensor | None = None) -> Any:
         """The HF model's outputs: its logits where the family transforms them (or has no head to take), else
         the body's last hidden state for shardlm's own head and loss."""
         kwargs: dict = {} if positions is None else {"position_ids": positions}
+        if mask is not None:  # 4D: transformers takes it as is, and builds no mask of its own
+            kwargs["attention_mask"] = mask
         if routed:
             kwargs = {**kwargs, "output_router_logits": True}
         body = self.hf if self.full_logits else self.hf.base_model
@@ -209,6 +213,18 @@ class _TargetLogps(torch.autograd.Function):
                 grad_b += dz.sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+
+
+SHARED_PREFIX_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox")
+
+
+def shares_prefix(model: CausalLM) -> bool:
+    """Whether completions of one prompt can share its tokens in one row under a 4D mask (`completion_logps`): SDPA
+    families that take such a mask as the whole mask (no sliding window to apply, positions from position_ids)."""
+    cfg = model.hf.config
+    return (getattr(cfg, "model_type", None) in SHARED_PREFIX_FAMILIES and getattr(cfg, "_attn_implementation", None)
+            in ("sdpa", CAUSAL_SDPA) and not (getattr(cfg, "use_sliding_window", False)
+                                            and getattr(cfg, "sliding_window", None)) and model.router is None)
 
 
 def target_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,

@@ -34,6 +34,7 @@ from shardlm.data import eval_shares
 from shardlm.data.prompts import PromptRows, completion_for_rewards
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
+from shardlm.models.causal_lm import shares_prefix
 from shardlm.models.loss import IGNORE
 from shardlm.rl.objective import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
 from shardlm.rl.rewards import exact_match
@@ -63,6 +64,7 @@ class MicroBatch:
     advantages: torch.Tensor
     old: torch.Tensor | None = None  # (rows, T) the policy's at sampling time (μ > 1, rloo with β > 0)
     ref: torch.Tensor | None = None  # (rows, T) the reference's (β > 0)
+    attention: torch.Tensor | None = None  # shared_batch's 4D mask: rows hold a prompt and its completions
 
 
 @dataclass
@@ -92,6 +94,38 @@ def micro_batch(prompts: list[list[int]], completions: list[list[int]], pad: int
     return tokens.to(device), positions.to(device), targets.to(device), lengths.to(device)
 
 
+def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: int, pad: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, positions, targets, lengths, mask): one row per prompt holding its `group` completions, the prompt's
+    tokens once. A segment per completion repeats the prompt's last token (whose output predicts the completion's
+    first token) at its own position, then the completion but its last token; the 4D boolean mask lets a segment see
+    the prompt and its own earlier tokens only. Each completion's log-probabilities are those of its own row
+    prompt + completion, at a fraction of the tokens when prompts are long beside their completions."""
+    rows = []
+    for p, prompt in enumerate(prompts):
+        tokens, positions, targets, segment = prompt[:-1], list(range(len(prompt) - 1)), [IGNORE] * (len(prompt) - 1), \
+            [-1] * (len(prompt) - 1)
+        for j in range(group):
+            c = completions[p * group + j]
+            tokens = tokens + [prompt[-1], *c[:-1]]
+            positions = positions + list(range(len(prompt) - 1, len(prompt) - 1 + len(c)))
+            targets, segment = targets + c, segment + [j] * len(c)
+        rows.append((tokens, positions, targets, segment))
+    width = max(len(r[0]) for r in rows)
+    t = torch.full((len(rows), width), pad, dtype=torch.long)
+    pos, tg = torch.zeros_like(t), torch.full_like(t, IGNORE)
+    seg = torch.full_like(t, -2)  # padding: a segment of its own
+    for i, (tokens, positions, targets, segment) in enumerate(rows):
+        n = len(tokens)
+        t[i, :n], pos[i, :n], tg[i, :n], seg[i, :n] = (torch.tensor(x) for x in (tokens, positions, targets, segment))
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    mask = causal & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == -1))  # (rows, query, key)
+    lengths = torch.zeros((len(completions), max(map(len, completions))), dtype=torch.bool)
+    for i, c in enumerate(completions):
+        lengths[i, :len(c)] = True
+    return t.to(device), pos.to(device), tg.to(device), lengths.to(device), mask[:, None].to(device)
+
+
 class RLStep:
     """One per run: `micro_steps` is a step's forward and backward, `validate` the RL validation."""
 
@@ -117,6 +151,7 @@ class RLStep:
         self.taken = 0  # prompts the last step drew from the data (0: it reused its round)
         self.tokens_seen = 0  # prompt and completion tokens sampled, over every rank
         self.frozen: Any = None  # β > 0 without LoRA: the frozen initial model
+        self.shared = shares_prefix(run.model)  # a prompt's completions in one row (shared_batch)
 
     # ---- state --------------------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -161,11 +196,18 @@ class RLStep:
         micro = []
         for m in range(self.accum):
             span = range(m * self.batch, (m + 1) * self.batch)
-            tokens, positions, targets, lengths = micro_batch([r.prompt_of(i) for i in span],
-                                                              [r.completions[i] for i in span], self.pad, device)
+            completions = [r.completions[i] for i in span]
+            attention = None
+            if self.shared:
+                group = self.g.group
+                tokens, positions, targets, lengths, attention = shared_batch(
+                    r.prompts[span.start // group:span.stop // group], completions, group, self.pad, device)
+            else:
+                tokens, positions, targets, lengths = micro_batch([r.prompt_of(i) for i in span], completions,
+                                                                  self.pad, device)
             mask = lengths.float() * scored.loss_mask[span.start:span.stop, None].to(device)
             micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
-                                    scored.scored.advantages[span.start:span.stop].to(device)))
+                                    scored.scored.advantages[span.start:span.stop].to(device), attention=attention))
         sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
                                 float(sum(mb.mask.sum().item() for mb in micro))], dtype=torch.float64)
         self.all_reduce(sampled)
@@ -201,7 +243,7 @@ class RLStep:
         """(rows, T) log-probabilities (and entropies) of the micro-batch's completion tokens."""
         with eager(), self.autocast():
             flat, entropy = model.completion_logps(mb.tokens, mb.positions, mb.targets, self.g.temperature,
-                                                   with_entropy)
+                                                   with_entropy, mb.attention)
         logps = torch.zeros(mb.lengths.shape, dtype=flat.dtype, device=flat.device).masked_scatter(mb.lengths, flat)
         if entropy is not None:
             entropy = torch.zeros(mb.lengths.shape, device=flat.device).masked_scatter(mb.lengths, entropy.float())
