@@ -34,7 +34,7 @@ from shardlm.training import checks
 PEEK_FILES, PEEK_RECORDS = 100, 2  # what of the data a dry run reads
 
 
-def _data_line(name: str, spec: str | None, default_split: str, d: DataConfig) -> str:
+def _data_line(name: str, spec: str | None, default_split: str, d: DataConfig, prompts: bool = False) -> str:
     from shardlm.data.examples import source_format
     from shardlm.data.sources import iter_documents, resolve
 
@@ -45,6 +45,9 @@ def _data_line(name: str, spec: str | None, default_split: str, d: DataConfig) -
         repo, config, split = source.hf
         return f"{name}: Hugging Face dataset {repo}" + (f"/{config}" if config else "") + f", split {split}" \
             " (not downloaded by a dry run)"
+    if prompts:  # any records with a prompt (or chat messages): read by prepare_prompts, which says what it lacks
+        return f"{name}: {len(source.files)} file(s), {sum(p.stat().st_size for p in source.files) / 1e6:.1f} MB; " \
+            "prompts for online RL"
     fmt, variant, _ = source_format(source, d)
     if fmt == "text":
         for path in source.files[:PEEK_FILES]:
@@ -213,8 +216,9 @@ def dry_run(cfg: Config, world_size: int) -> str:
     d = cfg.data
     specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
         [("data.train", d.train)]
-    data_lines = [*(_data_line(name, spec, "train", d) for name, spec in specs),
-                  _data_line("data.val", d.val, "validation", d)]
+    rl = cfg.train.objective in RL_OBJECTIVES
+    data_lines = [*(_data_line(name, spec, "train", d, rl) for name, spec in specs),
+                  _data_line("data.val", d.val, "validation", d, rl)]
     world = world_size * (xla.device_count() if device.type == "xla" else 1)
     counted = _count(cfg, tokenizer, hf_cfg, world)
     if counted.blocks is not None:
