@@ -1,0 +1,162 @@
+"""Online RL's bad input (docs/errors.md rows 170-186): `shardlm train` refuses it in one line before the model
+loads, `--dry-run` refuses it with the same line, and neither leaves a run folder behind (the dry run writes
+nothing at all). A reward function is called once on dummy completions of the first prompt before training, so a
+broken one stops the run here, not at its first step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import tiny
+from shardlm import ShardlmError
+
+CHAT = [{"role": "user", "content": "Reverse: abc"}, {"role": "assistant", "content": "cba"}]
+REWARDS = '''
+import math
+
+def good(prompts, completions, **kwargs):
+    return [0.5 for _ in completions]
+
+def two_args(prompts, completions):
+    return [0.0 for _ in completions]
+
+def needs(prompts, completions, solution, **kwargs):
+    return [0.0 for _ in completions]
+
+def boom(prompts, completions, **kwargs):
+    return [1.0 / len(c[0]["content"]) for c in completions]  # the empty completion divides by zero
+
+def one(prompts, completions, **kwargs):
+    return [1.0]
+
+def text(prompts, completions, **kwargs):
+    return ["1" for _ in completions]
+
+def scalar(prompts, completions, **kwargs):
+    return 1.0
+
+def nan(prompts, completions, **kwargs):
+    return [math.nan for _ in completions]
+'''
+FILES = {
+    "rewards.py": REWARDS,
+    "broken.py": "import a_module_that_is_not_installed\n",
+    "chat.jsonl": "".join(json.dumps({"messages": CHAT, "task": "reverse"}) + "\n" for _ in range(20)),
+    "bare.jsonl": "".join(json.dumps({"prompt": f"Say {i}"}) + "\n" for i in range(20)),
+    "long.jsonl": "".join(json.dumps({"prompt": "x" * (200 if i == 3 else 5), "answer": "y"}) + "\n"
+                          for i in range(20)),
+}
+
+CASES = {  # row: (overrides, the message's telling part)
+    "170": (["grpo.rewards=[broken:score]"],
+            "reward 'broken:score': module 'broken' does not import \\(ModuleNotFoundError: No module named "
+            "'a_module_that_is_not_installed'\\). Fix it, or put it in the current folder or on PYTHONPATH."),
+    "170-name": (["grpo.rewards=[exact_mach]"], "reward 'exact_mach' is neither a built-in .* Did you mean "
+                                                "'exact_match'\\?"),
+    "171": (["grpo.rewards=[rewards:goood]"], "reward 'rewards:goood': module 'rewards' has no 'goood'. Did you "
+                                              "mean 'good'\\? Name a function of it."),
+    "172": (["grpo.rewards=[rewards:two_args]"], "reward 'rewards:two_args' cannot be called with prompts, "
+                                                 "completions, completion_ids and the data's fields as keywords"),
+    "173": (["grpo.rewards=[rewards:needs]"], "reward 'rewards:needs' needs the field 'solution', which the prompt "
+                                              "data lacks \\(its fields: task, answer\\)"),
+    "173-answer": (["data.train=FILE:bare.jsonl"], "reward 'exact_match' needs the field 'answer', which the prompt "
+                                                   "data lacks \\(its fields: none besides the prompt\\)"),
+    "174": (["grpo.rewards=[rewards:good,rewards:boom]"],
+            "^on dummy completions \\('cba' and '', which a model can sample\\) of the first prompt \\(.*chat.jsonl:1"
+            "\\), called before training: reward 'rewards:boom' raised ZeroDivisionError: float division by zero on "
+            "completion 1 \\(prompt 'Reverse: abc'\\). Fix the function"),
+    "175": (["grpo.rewards=[rewards:one]"], "reward 'rewards:one' returned 1 values for 2 completions"),
+    "176": (["grpo.rewards=[rewards:text]"], "reward 'rewards:text' returned '1' \\(str\\) for completion 0 "
+                                             "\\(prompt 'Reverse: abc'\\): return a float"),
+    "176-scalar": (["grpo.rewards=[rewards:scalar]"], "reward 'rewards:scalar' returned a float, not a list"),
+    "177": (["grpo.rewards=[rewards:nan]"], "reward 'rewards:nan' returned nan for completion 0 .* rewards must be "
+                                            "finite; return None"),
+    "178": (["grpo.group=1"], "grpo.group must be >= 2, got 1"),
+    "179": (["train.batch_size=6", "grpo.group=4"], "train.batch_size=6 counts completions, 1.5 prompts' worth at "
+                                                    "grpo.group=4: set train.batch_size to a multiple of 4"),
+    "180": (["grpo.max_completion_length=64"], "grpo.max_completion_length=64 leaves no room for a prompt in "
+                                               "data.seq_len=64"),
+    "181": (["data.train=FILE:long.jsonl"], "long.jsonl:4: the prompt has 200 tokens, more than the 48 that "
+                                            "data.seq_len=64 leaves beside grpo.max_completion_length=16"),
+    "182": (["grpo.rewards=[format]"], "reward 'format' checks completions against grpo.format_pattern, which is "
+                                       "not set"),
+    "182-regex": (["grpo.rewards=[format]", "grpo.format_pattern=(a"], "grpo.format_pattern '\\(a' is not a valid "
+                                                                        "regex"),
+    "183": (["grpo.reward_weights=[1,0.5]"], "grpo.reward_weights has 2 weights for 1 rewards \\(exact_match\\)"),
+    "183-none": (["grpo.rewards=[]"], "grpo.rewards is empty"),
+    "184": (["model.dropout=0.1"], "model.dropout=0.1 with train.objective=grpo: dropout makes the trained policy "
+                                   "differ from the sampled one"),
+    "185": (["grpo.loss_type=dr-grpo"], "grpo.loss_type='dr-grpo' is not one of dapo, grpo, dr_grpo. Did you mean "
+                                        "'dr_grpo'\\?"),
+    "185-range": (["grpo.temperature=0"], "grpo.temperature must be > 0"),
+    "186": (["train.batch_size=40", "grpo.group=2", "train.max_steps=null"],
+            "the training data has 18 prompts, fewer than one step's 20 \\(a global batch of 40 completions = 1 "
+            "device x train.batch_size=40 x train.grad_accum=1, grpo.group=2 per prompt\\). Use more prompts"),
+}
+
+
+def refusal(argv: list[str]) -> str:
+    """The message `shardlm ARGV` refuses with, in this process (the CLI prints it as `error: ...`, exit 2)."""
+    from shardlm.cli import parse_args
+
+    args = parse_args(argv)
+    try:
+        args.fn(args)
+    except ShardlmError as e:
+        return str(e)
+    return ""
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def grpo_args(folder, *overrides: str) -> list[str]:
+    base = tiny(folder / "chat.jsonl", folder / "cache", folder / "run", **{
+        "train.objective": "grpo", "model.chat_template": "chatml", "data.seq_len": 64, "train.batch_size": 4,
+        "grpo.group": 2, "grpo.max_completion_length": 16, "train.max_steps": 2})
+    return ["train", *base, *(o.replace("FILE:", f"{folder}/") for o in overrides)]
+
+
+@pytest.mark.parametrize("row", list(CASES))
+def test_online_rl_refusals_are_one_line_before_the_model_loads(row, folder):
+    """Each refusal is the same from the run and its dry run; the dry run writes nothing, the run no run folder."""
+    import re
+
+    overrides, message = CASES[row]
+    args = grpo_args(folder, *overrides)
+    before = sorted(p.name for p in folder.iterdir())
+    dry = refusal([*args, "--dry-run"])
+    assert re.search(message, dry), dry
+    assert "\n" not in dry and sorted(p.name for p in folder.iterdir()) == before
+    assert refusal(args) == dry
+    assert not (folder / "run").exists()
+
+
+def test_the_cli_prints_one_error_line_and_exits_2(folder, capsys):
+    from shardlm.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(grpo_args(folder, "grpo.rewards=[rewards:boom]"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: on dummy completions") and "Traceback" not in "".join(err)
+
+
+def test_the_dry_run_shows_the_prompt_as_sampled_and_what_each_reward_returns(folder):
+    from shardlm.config import load_config
+    from shardlm.preflight.dryrun import dry_run
+
+    out = dry_run(load_config(None, grpo_args(folder, "grpo.rewards=[exact_match,rewards:good]")[1:]), 1)
+    assert "first prompt (" in out and "chat.jsonl:1) as the sampler continues it" in out
+    assert "<|im_start|>user\nReverse: abc<|im_end|>\n<|im_start|>assistant\n" in out  # the generation prompt
+    assert "its fields for the rewards: task='reverse', answer='cba'" in out
+    assert "rewards of the completions 'cba' and '' of the first prompt: exact_match: 1, 0; rewards:good: 0.5, " \
+           "0.5" in out
+    assert "prompts: 18 train / 2 val; 2 steps of 2 prompts x grpo.group=2 completions" in out
