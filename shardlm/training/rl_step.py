@@ -126,6 +126,17 @@ def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: 
     return t.to(device), pos.to(device), tg.to(device), lengths.to(device), mask[:, None].to(device)
 
 
+SHARED_MAX_WIDTH = 2048  # a shared row's dense mask takes SDPA off its flash kernels: O(width^2) attention memory
+
+
+def shared_pays(prompts: list[list[int]], completions: list[list[int]], group: int) -> bool:
+    """Whether rows that hold a prompt once (`shared_batch`) are worth their dense mask: fewer tokens than one padded
+    row per completion, and rows short enough for attention that materializes its scores."""
+    widths = [len(p) - 1 + sum(len(c) for c in completions[i * group:(i + 1) * group]) for i, p in enumerate(prompts)]
+    plain = len(completions) * max(len(prompts[i // group]) + len(c) for i, c in enumerate(completions))
+    return max(widths) <= SHARED_MAX_WIDTH and len(widths) * max(widths) < plain
+
+
 class RLStep:
     """One per run: `micro_steps` is a step's forward and backward, `validate` the RL validation."""
 
@@ -197,9 +208,8 @@ class RLStep:
         for m in range(self.accum):
             span = range(m * self.batch, (m + 1) * self.batch)
             completions = [r.completions[i] for i in span]
-            attention = None
-            if self.shared:
-                group = self.g.group
+            attention, group = None, self.g.group
+            if self.shared and shared_pays(r.prompts[span.start // group:span.stop // group], completions, group):
                 tokens, positions, targets, lengths, attention = shared_batch(
                     r.prompts[span.start // group:span.stop // group], completions, group, self.pad, device)
             else:
