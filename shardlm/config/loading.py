@@ -174,8 +174,13 @@ def load_config(path: str | Path | list | None = None, overrides: list[str] | No
     cli = parse_overrides(overrides or [])
     _check_keys(dict(cli), "the command line")
     values.update(cli)
-    defaults = {k: v for k, v in task_defaults(build_config(values, check=False)).items() if k not in values}
-    return build_config({**values, **defaults})
+    cfg = build_config(values, check=False)
+    for key, value in task_defaults(cfg).items():
+        if key not in values:
+            section, name = key.split(".")
+            setattr(getattr(cfg, section), name, value)
+    validate(cfg)
+    return cfg
 
 
 def _value(cfg: Config, key: str) -> Any:
