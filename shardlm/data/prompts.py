@@ -158,10 +158,6 @@ class PromptRows:
         return PromptRows(np.array(self.tokens), np.array(self.offsets), entries.__getitem__, self.field_names,
                           self.spec, self.start, self.end, self.meta)
 
-    def longest(self) -> int:
-        """The index of the longest prompt (the first of them), for errors and the run header."""
-        return int(np.argmax(self.lengths)) if len(self) else 0
-
     def describe(self) -> str:
         longest = f", the longest {self.max_prompt_tokens:,} tokens" if len(self) else ""
         fields = ", ".join(self.field_names) or "none"
