@@ -221,6 +221,16 @@ class RewardSet:
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
+    @property
+    def metric_names(self) -> list[str]:
+        """The names the records give them (`rewards/<name>/mean`): a built-in's, a user function's own name as
+        TRL records it (`path/rewards.py:fn` is `fn`), numbered from the second where two would share one."""
+        out: list[str] = []
+        for r in self.rewards:
+            name = r.name.rpartition(":")[2] or r.name
+            out.append(name if name not in out else f"{name}_{len(out)}")
+        return out
+
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]],
               fields: dict[str, list]) -> torch.Tensor:
         """(completions, rewards) float32, NaN where a function returned None."""

@@ -201,7 +201,7 @@ class RLStep:
         with eager():
             scored = score_round(self.sampler, self.tok, prompts, ids, [position + j for j in mine], self.rewards,
                                  self.g, self.params, self.objective, self.all_reduce)
-        metrics = round_metrics(scored, self.rewards.names, self.all_reduce)
+        metrics = round_metrics(scored, self.rewards.metric_names, self.all_reduce)
         r = scored.rollout
         device = self.dist.device
         micro = []
@@ -323,7 +323,7 @@ class RLStep:
         if r is None:
             return []
         out = []
-        names = self.rewards.names
+        names = self.rewards.metric_names
         for p in range(min(n, len(r.scored.rollout.prompts))):
             i = p * self.g.group
             prompt = self.tok.decode(r.scored.rollout.prompts[p], skip_special_tokens=False)[-60:]
@@ -345,7 +345,7 @@ class RLStep:
         prompts = [rows.prompt(int(i)) for i in real]
         ids = [rows.token_ids(int(i)) for i in real]
         keys = [VAL_KEYS + int(i) for i in real]
-        names = self.rewards.names
+        names = self.rewards.metric_names
         with eager():
             sampled = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1))
             greedy = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1, temperature=0.0))
@@ -372,7 +372,7 @@ class RLStep:
 
     def _val_result(self, sums: torch.Tensor) -> dict[str, Any]:
         self.all_reduce(sums)
-        total, names = sums.tolist(), self.rewards.names
+        total, names = sums.tolist(), self.rewards.metric_names
         f = len(names)
         out: dict[str, Any] = {"reward": total[0] / total[1] if total[1] else math.nan,
                                "exact_match": total[2] / total[3] if total[3] else math.nan,
