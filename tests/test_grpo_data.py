@@ -66,6 +66,13 @@ def test_the_cache_renders_once_and_reloads_the_same(tok, tmp_path):
     cfg, logs = DataConfig(cache_dir=str(tmp_path / "cache")), []
     folder = build_prompts(resolve(str(path), "train", None), tok, cfg, tmp_path / "cache", log=logs.append)
     assert folder.name.startswith("rl-") and sum("rendering" in line for line in logs) == 1
+    assert [line for line in logs if line.startswith("warning")] == [  # the rewards get only the fields all hold
+        f"warning: 1 of the 4 prompts of {path} lacks the field 'answer' (the first: {path}:3), so no reward can "
+        "use it: add it to every record",
+        f"warning: 3 of the 4 prompts of {path} lack the field 'extra' (the first: {path}:1), so no reward can use it: "
+        "add it to every record",
+        f"warning: 3 of the 4 prompts of {path} lack the field 'solution' (the first: {path}:1), so no reward can use "
+        "it: add it to every record"]
     stamp = (folder / "tokens.bin").stat().st_mtime_ns
     again = build_prompts(resolve(str(path), "train", None), tok, cfg, tmp_path / "cache", log=logs.append)
     assert again == folder and (folder / "tokens.bin").stat().st_mtime_ns == stamp

@@ -24,7 +24,7 @@ from shardlm.config import Config, DataConfig
 from shardlm.config.grpo import check_prompt_fits
 from shardlm.data.cache import build_once, cache_root, damage, read_meta
 from shardlm.data.formats import BadExample
-from shardlm.data.prompts import PromptRows, RLPrompt, common_fields, prompt_token_ids, rl_prompt
+from shardlm.data.prompts import PromptRows, RLPrompt, prompt_token_ids, rl_prompt
 from shardlm.data.records import first_record, iter_records
 from shardlm.data.sources import Source, resolve
 from shardlm.tokenizer import fingerprint, template_fingerprint
@@ -58,9 +58,36 @@ def _is_json(value) -> bool:
     return True
 
 
+class _Fields:
+    """The fields of the prompts seen so far: how many hold each (in first-seen order), and the first prompt
+    without it. A reward can only use a field every prompt holds; one that most hold is named in a warning."""
+
+    def __init__(self) -> None:
+        self.n, self.first = 0, ""
+        self.held: dict[str, int] = {}
+        self.first_without: dict[str, str] = {}
+
+    def add(self, where: str, fields: dict) -> None:
+        self.first = self.first or where
+        for name in fields:
+            if name not in self.held:
+                self.held[name] = 0
+                if self.n:  # the prompts before this one lack it
+                    self.first_without[name] = self.first
+            self.held[name] += 1
+        for name in self.held.keys() - fields.keys():
+            self.first_without.setdefault(name, where)
+        self.n += 1
+
+    def meta(self) -> dict:
+        return {"fields": [f for f, k in self.held.items() if k == self.n],
+                "partial_fields": {f: {"lacking": self.n - k, "first": self.first_without[f]}
+                                   for f, k in self.held.items() if k < self.n}}
+
+
 def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
-    offsets, lines, skipped, fields = [0], [0], [], None  # type: list[int], list[int], list[str], list[str] | None
+    offsets, lines, skipped, fields = [0], [0], [], _Fields()  # type: list[int], list[int], list[str], _Fields
     with open(tmp / "tokens.bin", "wb") as ids_out, open(tmp / "prompts.jsonl", "wb") as lines_out:
         for where, record in iter_records(source):
             try:
@@ -76,7 +103,7 @@ def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
             offsets.append(offsets[-1] + len(ids))
             lines_out.write(line)
             lines.append(lines[-1] + len(line))
-            fields = common_fields([p]) if fields is None else [f for f in fields if f in p.fields]
+            fields.add(where, p.fields)
     np.save(tmp / "offsets.npy", np.asarray(offsets, dtype=np.int64))
     np.save(tmp / "lines.npy", np.asarray(lines, dtype=np.int64))
     if len(offsets) == 1:
@@ -85,8 +112,7 @@ def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
                            '{"prompt": "...", "answer": "..."} or chat {"messages": [...]}.')
     lengths = np.diff(offsets)
     return {"prompts": len(offsets) - 1, "num_tokens": offsets[-1], "dtype": np.dtype(dtype).name,
-            "fields": fields or [], "longest": int(lengths.max()), "skipped": len(skipped),
-            "first_skipped": skipped[:3]}
+            **fields.meta(), "longest": int(lengths.max()), "skipped": len(skipped), "first_skipped": skipped[:3]}
 
 
 def build_prompts(source: Source, tok, cfg: DataConfig, root: Path, log: Log = print) -> Path:
@@ -100,6 +126,10 @@ def build_prompts(source: Source, tok, cfg: DataConfig, root: Path, log: Log = p
 
     folder, meta = build_once(folder, write, log)
     if meta is not None:
+        for name, partial in meta["partial_fields"].items():
+            lack = "lacks" if partial["lacking"] == 1 else "lack"
+            log(f"warning: {partial['lacking']:,} of the {meta['prompts']:,} prompts of {source.spec} {lack} the field "
+                f"'{name}' (the first: {partial['first']}), so no reward can use it: add it to every record")
         if meta["skipped"]:
             log(f"warning: skipped {meta['skipped']:,} bad prompt record{'s' * (meta['skipped'] != 1)} "
                 f"(data.on_bad_example=skip); the first: {meta['first_skipped'][0]}")
