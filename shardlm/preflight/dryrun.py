@@ -196,9 +196,19 @@ def _prompt_lines(cfg: Config, train: PromptRows, tokenizer) -> list[str]:
     p = train.prompt(0)
     fields = ", ".join(f"{k}={_short(v)}" for k, v in p.fields.items()) or "none"
     return [train.describe(),
-            f"first prompt ({train.where(0)}) as the sampler continues it, {len(train.token_ids(0))} tokens:\n"
+            f"first prompt ({_shown(train.where(0))}) as the sampler continues it, {len(train.token_ids(0))} tokens:\n"
             f"{tokenizer.decode(train.token_ids(0))}",
             f"its fields for the rewards: {fields}", *checks.probe_rewards(cfg, train)]
+
+
+def _shown(where: str) -> str:
+    """path:line relative to the current folder, or under shardlm/ for a bundled set: the same on every machine."""
+    import shardlm
+
+    for base in (Path.cwd(), Path(shardlm.__file__).resolve().parent.parent):
+        if where.startswith(f"{base}/"):
+            return where[len(f"{base}/"):]
+    return where
 
 
 def _short(value: object, width: int = 60) -> str:
