@@ -147,10 +147,11 @@ def test_two_ranks_train_what_one_process_trains(uninterrupted, rl_data, cache_d
 
 
 def test_a_killed_run_resumes_exactly(uninterrupted, rl_data, cache_dir, tmp_path):
-    """kill -9 after the checkpoint of step 2 (a round's end), then rerun: the uninterrupted run's records (the
-    sampling keys are the prompts' places in the data order: no sampling state is saved)."""
-    args = ["train", *rl_args(rl_data, cache_dir, tmp_path, **{**KL_MU, "checkpoint.every": 2})]
-    assert shardlm_cli([*args, fault("KillAfterSave(2)")], check=False).returncode != 0
+    """SIGTERM after step 1 stops the run at its round's end (step 2), whose checkpoint is followed by a kill -9;
+    rerun: the uninterrupted run's records (the sampling keys are the prompts' places in the data order: no sampling
+    state is saved). A stop at step 1 would leave a clean exit and no kill."""
+    args = ["train", *rl_args(rl_data, cache_dir, tmp_path, **KL_MU)]
+    assert shardlm_cli([*args, fault("SigtermAt(1)"), fault("KillAfterSave(2)")], check=False).returncode != 0
     shardlm_cli(args)
     got, want = by_step(tmp_path), by_step(uninterrupted)
     assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), rel=1e-5, abs=1e-7)

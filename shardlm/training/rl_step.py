@@ -171,7 +171,7 @@ class RLStep:
     def load_state(self, state: dict[str, Any]) -> None:
         self.tokens_seen = int(state.get("rl_tokens", 0))
         used = int(state.get("rl_round_used", 0))
-        if 0 < used < self.g.num_iterations:  # a stop (a signal, a callback) inside a round
+        if 0 < used < self.g.num_iterations:  # a callback's stop inside a round (signals wait for its end)
             self.dist.print(f"note: this checkpoint was saved after {used} of the grpo.num_iterations="
                             f"{self.g.num_iterations} steps of its generation round, which checkpoints do not hold: "
                             "the run samples a new round now, and differs from an uninterrupted one from here on")

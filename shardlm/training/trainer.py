@@ -394,8 +394,8 @@ class Trainer:
         """Every rank asks `should_stop` every step: the signal check is a collective."""
         if self.checkpointer is None:
             return
-        signalled = self.checkpointer.should_stop()
-        self.stop_requested = self.stop_requested or signalled
+        signalled = self.checkpointer.should_stop()  # online RL: honoured at a round's end, which loses nothing
+        self.stop_requested = self.stop_requested or signalled and (self.rl is None or self.rl.cycle_done())
         due = self.checkpointer.due(self.step, self.run.total_steps)
         if self.stop_requested or due and (self.rl is None or self.rl.saves_at(self.step, self.run.total_steps)):
             with report.timed("save"):
