@@ -83,16 +83,18 @@ def test_completion_logps_are_the_padded_references():
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("objective,rises_to,val_to", [("grpo", 0.8, 0.8), ("rloo", 0.6, 0.5)])
-def test_a_tiny_model_learns_a_rule_based_reward(rl_data, cache_dir, tmp_path, capsys, objective, rises_to, val_to):
-    """`shardlm.train` with train.objective=grpo (rloo, with its KL in the reward): the train reward rises from
-    chance (~0.25) to > 0.8 (0.6) in 12 steps of 4 prompts x 8 completions (measured: 0.27 -> 1.0, 0.27 -> 0.74);
-    the validation's sampled reward rises with it; the records hold TRL's metrics and each log step prints samples
-    with their rewards."""
+@pytest.mark.parametrize("objective,precision,rises_to,val_to", [("grpo", "bf16", 0.8, 0.75),
+                                                                ("rloo", "fp32", 0.6, 0.5)])
+def test_a_tiny_model_learns_a_rule_based_reward(rl_data, cache_dir, tmp_path, capsys, objective, precision, rises_to,
+                                                 val_to):
+    """`shardlm.train` with train.objective=grpo in bf16 (autocast: sampling too), and rloo (its KL in the reward):
+    the train reward rises from chance (~0.25) to > 0.8 (0.6) in 12 steps of 4 prompts x 8 completions (measured:
+    0.27 -> 0.92, 0.27 -> 0.74); the validation's sampled reward rises with it; the records hold TRL's metrics and
+    each log step prints samples with their rewards."""
     torch.set_num_threads(1)
     summary = train_in_process(rl_args(rl_data, cache_dir, tmp_path, **{
-        "train.objective": objective, "grpo.group": 8, "train.batch_size": 32, "train.max_steps": 12,
-        "train.eval_every": 2, "checkpoint.save_final": False}))
+        "train.objective": objective, "parallel.precision": precision, "grpo.group": 8, "train.batch_size": 32,
+        "train.max_steps": 12, "train.eval_every": 2, "checkpoint.save_final": False}))
     rewards = [r["reward"] for r in records(tmp_path)]
     assert rewards[0] < 0.4 and sum(rewards[-3:]) / 3 > rises_to, rewards
     val = records(tmp_path, "val")

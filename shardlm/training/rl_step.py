@@ -198,7 +198,7 @@ class RLStep:
         mine = range(self.dist.rank * self.per_rank, (self.dist.rank + 1) * self.per_rank)
         prompts = [rows.prompt(int(order[j])) for j in mine]
         ids = [rows.token_ids(int(order[j])) for j in mine]
-        with eager():
+        with eager(), self.autocast():  # the run's compute context (plain bf16's blocks expect autocast)
             scored = score_round(self.sampler, self.tok, prompts, ids, [position + j for j in mine], self.rewards,
                                  self.g, self.params, self.objective, self.all_reduce)
         metrics = round_metrics(scored, self.rewards.metric_names, self.all_reduce)
@@ -346,7 +346,7 @@ class RLStep:
         ids = [rows.token_ids(int(i)) for i in real]
         keys = [VAL_KEYS + int(i) for i in real]
         names = self.rewards.metric_names
-        with eager():
+        with eager(), self.autocast():
             sampled = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1))
             greedy = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1, temperature=0.0))
         if not len(indices):  # this rank has no batch (it sampled nothing, with the others)
