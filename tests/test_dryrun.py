@@ -101,6 +101,8 @@ CATALOGUE = {  # row: overrides (FILE: a file of FILES; HF / OPT: the tiny model
     "98": ["data.weights=[1]"], "110": ["lr=1e-4"], "116": ["checkpoint.resume=FILE:norun"],
     "130": ["data.format=chats"], "156": ["preference.reference=livee"],
     "157": ["train.objective=simpo", "preference.rpo_alpha=0.5"],
+    "165": ["parallel.activation_checkpointing=selectve"], "165-every0": ["parallel.activation_checkpointing=every:0"],
+    "165-blocks": ["parallel.activation_checkpointing=every:3"], "166": ["parallel.wrap=sized:10"],
     "10": ["data.train=FILE:nope.txt"], "11": ["data.train=FILE:empty.txt"], "12": ["data.train=FILE:nul.txt"],
     "14": ["data.train=FILE:a.csv"], "15": ["data.train=FILE:bad.jsonl"], "16": ["data.train=FILE:body.jsonl"],
     "17": ["data.train=FILE:a.pdf"], "18": ["train.batch_size=100000"], "19": ["parallel.precision=fp16"],

@@ -14,11 +14,13 @@ from shardlm.training.trainer import Trainer
     {},
     {"train.loss_chunk_size": 0},
     {"parallel.activation_checkpointing": True, "train.batch_size": 8},
+    # bytes, not GPT-2's vocabulary: the activations are most of the peak, a selective estimate 20% off would show
+    {"parallel.activation_checkpointing": "selective", "train.batch_size": 16, "model.tokenizer": "bytes"},
     {"train.batch_size": 16, "train.loss_chunk_size": 256},
     {"model.arch": "llama", "model.n_kv_head": 2, "model.intermediate_size": 688},
     {"model.arch": "gemma2"},  # eager attention keeps (T x T) probabilities; soft-capped logits
     {"model.arch": "gemma3_text"},  # one rotary table per layer type
-], ids=["chunked", "plain-loss", "activation-ckpt", "big-batch", "llama", "gemma2", "gemma3"])
+], ids=["chunked", "plain-loss", "activation-ckpt", "selective-ckpt", "big-batch", "llama", "gemma2", "gemma3"])
 def test_estimate_within_15_percent_of_measured(corpus, cache_dir, tmp_path, extra):
     cfg = load_config(None, tiny(corpus, cache_dir, tmp_path, **{**GPT2_VOCAB, **extra}))
     trainer = Trainer.from_config(cfg)
@@ -53,3 +55,22 @@ def test_a_live_reference_without_lora_counts_one_more_model():
                  for mode in ("precomputed", "live"))
     extra = live.components.pop("live reference (frozen copy of the initial model)")
     assert extra == 4 * pre.parameters and live.components == pre.components
+
+
+def test_online_rl_estimate_counts_generation_and_the_reference():
+    """grpo: generation is a phase of its own, the peak where it is the largest (grad_accum x batch_size rows
+    sampled at once, against batch_size trained at a time): a KV cache of 2 x layers (+ 1 layer's copy) x KV heads
+    x head dim x seq_len x rows. grpo.beta > 0 without LoRA holds one more model."""
+    from shardlm.tokenizer import load_tokenizer
+
+    base = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.seq_len=64", "train.objective=grpo",
+            "grpo.max_completion_length=32", "train.batch_size=8", "grpo.group=8", "train.grad_accum=64"]
+    tok = load_tokenizer("bytes")
+    est = estimate(load_config(None, base), tok)
+    assert est.components["generation: KV cache (512 rows x 64 tokens)"] == (2 * 2 + 1) * 2 * 32 * 64 * 512 * 4
+    assert "activations" not in est.components  # the training phase is the smaller one here
+    with_reference = estimate(load_config(None, [*base, "grpo.beta=0.1"]), tok)
+    extra = with_reference.components.pop("reference for grpo.beta (initial model, frozen)")
+    assert extra == 4 * est.parameters and with_reference.components == est.components
+    trained = estimate(load_config(None, [*base, "train.grad_accum=1"]), tok)
+    assert "activations" in trained.components and not any(k.startswith("generation") for k in trained.components)

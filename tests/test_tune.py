@@ -38,8 +38,8 @@ def test_tune_keeps_the_global_batch_and_marks_a_capped_search(corpus, cache_dir
     assert "global batch kept: 1 rank x 8 blocks = 8 blocks per optimizer step (as in your config)" in table
     assert "the search stopped at the per-rank batch (8)" in table and "best:" in table
     rows = table_rows(table)
-    assert rows[("False", "1024")] == (">=8 (cap)", 8, 1)  # the chunked loss fits the whole per-rank batch
-    fit, micro, accum = rows[("False", "0")]  # the full-logits loss does not: micro-batches are accumulated
+    assert rows[("none", "1024")] == (">=8 (cap)", 8, 1)  # the chunked loss fits the whole per-rank batch
+    fit, micro, accum = rows[("none", "0")]  # the full-logits loss does not: micro-batches are accumulated
     assert micro <= int(fit) < 8 and micro * accum == 8 and accum > 1
 
     tuned = yaml.safe_load(out.read_text())
@@ -71,5 +71,5 @@ def test_search_stays_within_the_per_rank_batch(corpus, cache_dir, tmp_path, mon
     assert chosen in tried  # tokens/s and peak of the best come from a trial of exactly what is written
     tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())["train"]
     assert (tuned["batch_size"], tuned["grad_accum"]) == chosen
-    assert table_rows(table)[("False", "1024")] == (">=4 (cap)" if capped else "8", *chosen)
+    assert table_rows(table)[("none", "1024")] == (">=4 (cap)" if capped else "8", *chosen)
     assert ("--max-batch (4), below the per-rank batch (12)" in table) == capped

@@ -8,6 +8,7 @@ import math
 from shardlm import ShardlmError
 from shardlm.config.grpo import RL_OBJECTIVES, check_grpo
 from shardlm.config.schema import (
+    AC_MODES,
     ANSWER_ENDS,
     ATTENTION_CHOICES,
     CHOICE_HINTS,
@@ -99,6 +100,8 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ShardlmError(f"model.dropout must be in [0, 1), got {cfg.model.dropout}.")
     _check_lora(cfg)
+    ac_mode(cfg.parallel.activation_checkpointing)
+    wrap_size(cfg.parallel.wrap)
     if t.objective in RL_OBJECTIVES:
         _check_rl(cfg)
     m = cfg.model
@@ -159,6 +162,8 @@ def _check_lora(cfg: Config) -> None:
     _positive("lora.r", lora.r, allow_zero=True)
     if lora.quantize not in (None, "nf4"):
         raise ShardlmError(f"lora.quantize={lora.quantize!r} is not one of nf4, null.")
+    if lora.quant_backend not in ("auto", "torchao", "bitsandbytes"):
+        raise ShardlmError(f"lora.quant_backend={lora.quant_backend!r} is not one of auto, torchao, bitsandbytes.")
     if lora.r == 0:
         if lora.quantize:
             raise ShardlmError(f"lora.quantize={lora.quantize} quantizes the frozen base of a LoRA run: set lora.r "
@@ -176,3 +181,46 @@ def _check_lora(cfg: Config) -> None:
     if lora.target_modules is not None and not lora.target_modules:
         raise ShardlmError("lora.target_modules is an empty list: give module names (e.g. [q_proj, v_proj]) or "
                            "null for every attention and MLP projection.")
+
+
+def ac_mode(value: str) -> tuple[str, int]:
+    """`parallel.activation_checkpointing` as (mode, N): N is the step between checkpointed blocks for full (1) and
+    every:N, 0 for the others. YAML's true and false arrive as full and none (shardlm.config.loading)."""
+    mode = str(value).strip().lower()
+    if mode in ("none", "selective", "offload"):
+        return mode, 0
+    if mode == "full":
+        return mode, 1
+    name, _, every = mode.partition(":")
+    if name != "every":
+        named = [m for m in AC_MODES if m != "every:N"] + ["every:2"]
+        raise ShardlmError(f"parallel.activation_checkpointing={value!r} is not one of {', '.join(AC_MODES)} "
+                           f"(true = full, false = none).{nearest(mode, named)}")
+    every = every.strip()
+    if not every.isdigit() or int(every) < 1:
+        raise ShardlmError(f"parallel.activation_checkpointing={value}: N of every:N is a whole number >= 1, the "
+                           "step between checkpointed blocks (every:2 checkpoints every second block; every:1 = full).")
+    return ("full", 1) if int(every) == 1 else ("every", int(every))
+
+
+_SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
+
+
+def wrap_size(value: str) -> int:
+    """`parallel.wrap` as the parameter count past which a module subtree is its own FSDP2 unit; 0 = block."""
+    spec = str(value).strip().lower()
+    if spec == "block":
+        return 0
+    name, _, size = spec.partition(":")
+    if name != "size":
+        raise ShardlmError(f"parallel.wrap={value!r} is not one of block, size:N (N parameters, e.g. size:50M)."
+                           f"{nearest(spec, ['block', 'size:N'])}")
+    number, unit = size.rstrip("kmbg"), size[len(size.rstrip("kmbg")):]
+    try:
+        count = float(number) * _SIZE_UNITS[unit] if unit in _SIZE_UNITS else 0.0
+    except ValueError:
+        count = 0.0
+    if not (math.isfinite(count) and count >= 1):
+        raise ShardlmError(f"parallel.wrap={value}: N of size:N is a number of parameters >= 1, such as size:50M, "
+                           "size:5e7 or size:50000000 (each module subtree past N parameters becomes an FSDP2 unit).")
+    return int(count)

@@ -236,6 +236,8 @@ def build_config(flat: dict[str, Any], check: bool = True) -> Config:
             value = _as_spec(value)
         if key == "parallel.compile" and isinstance(value, bool):  # YAML true/false, as before `model`/`blocks`
             value = "model" if value else "false"
+        if key == "parallel.activation_checkpointing" and isinstance(value, bool):  # as before the modes
+            value = "full" if value else "none"
         if key == "lora.target_modules" and isinstance(value, str):
             if value != "all-linear":  # PEFT's keyword: every linear layer but the head, i.e. the default
                 raise ShardlmError(f"lora.target_modules={value!r}: give a list of module names such as "

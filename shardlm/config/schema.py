@@ -10,6 +10,8 @@ from typing import Any
 SHARDINGS = ("full", "grad_op", "no_shard", "hybrid_full", "hybrid_grad")
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 COMPILES = ("auto", "model", "blocks", "false")
+# parallel.activation_checkpointing: every:N checkpoints every N-th block; true and false are full and none
+AC_MODES = ("none", "full", "every:N", "selective", "offload")
 LAUNCHERS = ("auto", "torchrun", "slurm", "mpi", "single")
 # `checkpoint.async` is the public name; `async` is a Python keyword, so the field is `async_save`.
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
@@ -59,7 +61,8 @@ class LoraConfig:
     alpha: float = 16.0  # LoRA scaling numerator (scale = alpha / r)
     dropout: float = 0.0  # dropout on the LoRA path
     target_modules: list[str] | None = None  # module names to adapt; None (or all-linear) = every linear of the blocks
-    quantize: str | None = None  # nf4 = QLoRA (bitsandbytes, CUDA only); None = base weights in parallel.precision
+    quantize: str | None = None  # nf4 = QLoRA: the blocks' frozen linears in 4 bits; None = in parallel.precision
+    quant_backend: str = "auto"  # QLoRA's: auto (bitsandbytes in one CUDA process, else torchao), torchao, bitsandbytes
 
 
 @dataclass
@@ -157,7 +160,8 @@ class ParallelConfig:
     fsdp: bool | None = None  # null = FSDP2 when world size > 1 or cpu_offload; true = also on one rank
     cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)
     bf16_residual: bool = True  # bf16 without FSDP: the residual stream between blocks in bf16, as FSDP's (false: fp32)
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~30% more compute
+    activation_checkpointing: str = "none"  # none | full (true) | every:N | selective | offload (docs/gpus.md)
+    wrap: str = "block"  # FSDP2 units: block (each block, the rest in the root) | size:N (subtrees past N params)
     compile: str = "auto"  # model (whole model + loss), blocks (each block), false; auto = model on CUDA, else false
     prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
     device: str = "auto"  # auto (cuda if visible; xla if PJRT_DEVICE names an accelerator), cpu, cuda or xla

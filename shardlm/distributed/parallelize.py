@@ -1,8 +1,9 @@
 """The one place that decides how the model is spread over devices.
 
 `parallelize` applies, in this order: float8 conversion (`parallel.precision=fp8`) -> activation
-checkpointing per block -> torch.compile per block -> `fully_shard` per block, then the root -> torch.compile
-of the whole model or of the loss (see `parallelize` for which). Every sharding strategy is a row of
+checkpointing per block (shardlm.distributed.checkpointing) -> torch.compile per block -> `fully_shard` per
+block (or per subtree past `parallel.wrap=size:N` parameters), then the root -> torch.compile of the whole
+model or of the loss (see `parallelize` for which). Every sharding strategy is a row of
 STRATEGIES; nothing else in the code depends on which one is chosen.
 """
 
@@ -17,8 +18,10 @@ from torch import nn
 
 from shardlm import ShardlmError
 from shardlm.config import Config, ParallelConfig
+from shardlm.config.checks import ac_mode, wrap_size
+from shardlm.distributed import checkpointing, wrapping
 from shardlm.distributed.process_group import Dist
-from shardlm.models import lora
+from shardlm.models import lora, nf4
 from shardlm.models.causal_lm import CausalLM, transformer_blocks
 
 # strategy -> (hybrid 2-D mesh?, reshard_after_forward). no_shard is a 2-D mesh whose shard dim is 1.
@@ -76,6 +79,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
     shape = mesh_shape(cfg, world_size, local_world_size)
     warn_once(gpu_config_warning(cfg, device))  # after the refusals: a config that cannot run says only that
     warn_once(one_rank_per_node_note(cfg, device, use_fsdp, world_size, local_world_size))
+    warn_once(memory_notes(cfg, device, use_fsdp))
     return Plan(use_fsdp=use_fsdp, mesh_shape=shape, reshard_after_forward=STRATEGIES[p.sharding][1],
                 dtype=DTYPES[p.precision], compile=compile_)
 
@@ -113,6 +117,18 @@ def one_rank_per_node_note(cfg: Config, device: torch.device, use_fsdp: bool, wo
     return (f"note: with {where}, parallel.sharding=grad_op keeps each block's gathered weights from its forward to "
             "its backward instead of gathering them twice: ~15% more tokens/s (measured: 0.82x -> 0.95x of one "
             "process), for one block's weights more memory at the peak.")
+
+
+def memory_notes(cfg: Config, device: torch.device, use_fsdp: bool) -> str | None:
+    """Settings that would do nothing in this run, said once rather than trained silently as if they did."""
+    p, notes = cfg.parallel, []
+    if wrap_size(p.wrap) and not use_fsdp:
+        notes.append(f"parallel.wrap={p.wrap} shapes FSDP2's units and this run has no FSDP (one process): it changes "
+                     "nothing (parallel.fsdp=true shards one rank too)")
+    if ac_mode(p.activation_checkpointing)[0] == "offload" and device.type == "cpu":
+        notes.append("parallel.activation_checkpointing=offload moves saved activations to CPU memory, where a CPU "
+                     "run keeps them already: it trains as none (full or selective save memory here)")
+    return "\n".join(f"note: {n}." for n in notes) or None
 
 
 @functools.cache
@@ -171,9 +187,8 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
     recompile, so there it follows FSDP2's recommended pattern (torchtitan's): each block compiled inside
     its FSDP unit, and the loss compiled on its own.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     blocks = transformer_blocks(model.hf)
+    check_model(model.hf, cfg, pl)
     if dist.device.type == "xla":  # SPMD FSDPv2: the mesh and shardings of shardlm.distributed.xla, no fully_shard
         from shardlm.distributed import xla
 
@@ -191,11 +206,8 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
 
         warn_once(compile_time_note(pl.compile, per_block, len(blocks)))
     for i, block in enumerate(blocks):
-        if cfg.parallel.activation_checkpointing:
-            block = checkpoint_wrapper(block, preserve_rng_state=cfg.model.dropout > 0)
-        if per_block:
-            block.compile(dynamic=False)
-        blocks[i] = block
+        blocks[i] = checkpointing.prepare_block(block, i, cfg.parallel.activation_checkpointing, len(blocks),
+                                                preserve_rng=cfg.model.dropout > 0, compile_block=per_block)
     if pl.use_fsdp:
         shard(model, blocks, cfg.parallel, pl, dist)
     elif pl.dtype == torch.bfloat16 and cfg.parallel.bf16_residual:
@@ -211,6 +223,14 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
         model.compile(dynamic=False)
         model.sequence_logps = torch.compile(model.sequence_logps, dynamic=False)  # type: ignore[method-assign]
     return model
+
+
+def check_model(hf: nn.Module, cfg: Config, pl: Plan) -> None:
+    """The memory settings against the model (the run's and its dry run's, on a meta model): every:N within its
+    blocks, and size:N forming at least one unit where FSDP2 shards."""
+    checkpointing.check(cfg.parallel.activation_checkpointing, len(transformer_blocks(hf)))
+    if pl.use_fsdp and wrap_size(cfg.parallel.wrap):
+        wrapping.check_size(hf, wrap_size(cfg.parallel.wrap), pl.compile != "false", cfg.parallel.wrap)
 
 
 def cast_hidden_states(dtype: torch.dtype):
@@ -231,9 +251,10 @@ def cast_hidden_states(dtype: torch.dtype):
     return hook
 
 
-def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
-    """`fully_shard` each block, then the root (embeddings, final norm, head), with explicit prefetch. As in
-    torchtitan, the last block stays gathered after its forward (its backward comes next)."""
+def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
+    """`fully_shard` each block (or each unit of `parallel.wrap=size:N`), then the root (embeddings, final norm,
+    head), with explicit prefetch between blocks. As in torchtitan, the last block stays gathered after its forward
+    (its backward comes next). Units by size prefetch implicitly: their order of use is not known here."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -247,8 +268,13 @@ def shard(model: nn.Module, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, 
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
     if p.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if pl.mesh_shape[-1] == 1:  # torch's one-rank shortcut passes a tensor subclass only its first all-gather input
+        kwargs["ignored_params"] = {q for q in model.parameters() if nf4.is_nf4(q)}  # QLoRA's NF4 base: held whole
     sharded: list[FSDPModule] = []  # the blocks themselves, as fully_shard returns them
-    for i, block in enumerate(blocks):
+    if wrap_size(p.wrap):
+        for name in wrapping.check_size(model.hf, wrap_size(p.wrap), pl.compile != "false", p.wrap):
+            fully_shard(model.hf.get_submodule(name), **kwargs)
+    for i, block in enumerate(blocks if not wrap_size(p.wrap) else []):
         # the last block's backward starts right after its forward: keeping it gathered saves re-gathering it
         last = i == len(blocks) - 1
         sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))

@@ -49,6 +49,10 @@ UNSUPPORTED = {  # parallel.* value on XLA -> why, and what to use
     ("compile", "blocks"): "XLA compiles every step's graph itself; use parallel.compile=auto (or false)",
     ("cpu_offload", True): "parameters live on the XLA devices; use parallel.cpu_offload=false "
                            "(or parallel.sharding=full over more devices)",
+    ("activation_checkpointing", "selective"): "torch_xla's checkpoint recomputes whole blocks; use "
+                                               "parallel.activation_checkpointing=full (or every:N)",
+    ("activation_checkpointing", "offload"): "torch_xla's checkpoint recomputes whole blocks; use "
+                                             "parallel.activation_checkpointing=full (or every:N)",
 }
 
 
@@ -92,6 +96,9 @@ def check(parallel: Any, world_size: int) -> None:
     for (key, value), why in UNSUPPORTED.items():
         if getattr(parallel, key) == value:
             raise ShardlmError(f"parallel.{key}={str(value).lower()} is not supported on XLA: {why}.")
+    if parallel.wrap != "block":
+        raise ShardlmError(f"parallel.wrap={parallel.wrap} is not supported on XLA: SPMD shards each parameter on its "
+                           "own, with no FSDP2 units; use parallel.wrap=block.")
     if world_size > 1:
         raise ShardlmError(f"parallel.device=xla with {world_size} launched processes: on XLA one process drives "
                            "every device of the host (SPMD). Start `shardlm train` once, without a launcher "
@@ -121,7 +128,7 @@ BATCH_SPEC = (("replicate", "fsdp"),)  # the batch dimension is split over every
 
 
 def parallelize(model: nn.Module, blocks: nn.ModuleList, device: torch.device, strategy: str,
-                shard_size: int | None, devices: int, activation_checkpointing: bool) -> nn.Module:
+                shard_size: int | None, devices: int, activation_checkpointing: str) -> nn.Module:
     """Move to the device (keeping tied weights tied), then FSDPv2: AC -> shard parameters -> shard activations."""
     import torch_xla.distributed.spmd as xs
     from torch_xla.distributed.spmd.xla_sharding import apply_backward_optimization_barrier
@@ -135,8 +142,10 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, device: torch.device, s
         setattr(model.get_submodule(owner), leaf, model.get_parameter(name))
     the_mesh = mesh(strategy, devices, shard_size)
     xs.set_global_mesh(the_mesh)
+    from shardlm.distributed.checkpointing import checkpointed as recomputed  # full and every:N
+
     for i, block in enumerate(blocks):
-        if activation_checkpointing:
+        if i in recomputed(activation_checkpointing, len(blocks)):
             blocks[i] = block = checkpointed(block)
         apply_backward_optimization_barrier(block)
         block.register_forward_hook(_shard_batch_of_output)

@@ -28,6 +28,7 @@ from shardlm import ShardlmError
 from shardlm.config import Config, DataConfig
 from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import PromptRows, Split
+from shardlm.distributed.parallelize import Plan, check_model
 from shardlm.models import lora
 from shardlm.training import checks
 
@@ -78,7 +79,7 @@ def _example_lines(train, tokenizer) -> list[str]:
     return lines
 
 
-def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
+def _model(cfg: Config, pl: Plan) -> tuple[object | None, object | None, list[str]]:
     """(tokenizer, HF config, lines); the tokenizer or config is None where a hub name cannot be reached."""
     from shardlm.hub import hub_reachable
     from shardlm.models.causal_lm import num_params
@@ -102,6 +103,7 @@ def _model(cfg: Config) -> tuple[object | None, object | None, list[str]]:
     model = empty_model(hf_cfg, "meta")
     if lora.enabled(cfg.lora):
         lora.apply(model, cfg.lora)
+    check_model(model, cfg, pl)  # activation checkpointing's every:N and parallel.wrap's size:N against the model
     n, trainable = num_params(model), num_params(model, trainable_only=True)
     what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
     adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg.lora) else ""
@@ -222,7 +224,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
 
     device, pl = checks.planned(cfg, world_size)
     _, resumed = checks.check_setup(cfg, pl, device)
-    tokenizer, hf_cfg, model_lines = _model(cfg)
+    tokenizer, hf_cfg, model_lines = _model(cfg, pl)
     d = cfg.data
     specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
         [("data.train", d.train)]

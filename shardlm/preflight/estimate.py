@@ -9,19 +9,28 @@ With LoRA (`lora.r > 0`) the adapters are injected into the meta model: paramete
 gradients and AdamW state only the adapters, and the block's saved activations are measured with the frozen
 base (what autograd keeps differs: frozen weights need no inputs saved for their gradients). QLoRA
 (`lora.quantize=nf4`) holds the blocks' linear weights in 4 bits plus their quantization constants.
+
+Online RL (`train.objective` grpo, rloo) has a third phase, generation, between optimizer steps: the whole model
+gathered at once, the KV cache of the rank's completions of a round and the sampling step's logits (see
+`generation_bytes`); the peak is the largest of the three phases. With `grpo.beta > 0` and no LoRA the frozen
+reference is one more model, sharded as the policy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from inspect import signature
 
 import torch
 
 from shardlm.config import Config
+from shardlm.config.checks import ac_mode, wrap_size
+from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.distributed.checkpointing import SelectiveSaved, checkpointed
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
+from shardlm.distributed.wrapping import owned_params, size_units
 from shardlm.models import lora
-from shardlm.models.causal_lm import auto_loss_chunk, num_params, transformer_blocks
+from shardlm.models.causal_lm import SHARED_PREFIX_FAMILIES, auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
 from shardlm.models.instantiate import empty_model
 from shardlm.training.optim.optimizers import state_bytes_estimate
@@ -37,10 +46,12 @@ class Estimate:
     parameters: int
     components: dict[str, float]  # bytes
     peak_bytes: float
+    host: dict[str, float] = field(default_factory=dict)  # bytes in CPU RAM beside the device's peak (offload)
 
     def table(self) -> str:
         rows = [f"  {k:<48} {v / GB:8.3f} GiB" for k, v in self.components.items()]
-        return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB"])
+        host = [f"  {'in CPU RAM: ' + k:<48} {v / GB:8.3f} GiB" for k, v in self.host.items()]
+        return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB", *host])
 
 
 def four_bit_params(blocks: torch.nn.ModuleList) -> int:
@@ -51,6 +62,21 @@ def four_bit_params(blocks: torch.nn.ModuleList) -> int:
                if issubclass(type(m), linear_types()) and ".lora_" not in f".{n}")
 
 
+def torchao_nf4_bytes(blocks: torch.nn.ModuleList) -> float:
+    """What QLoRA's torchao backend holds of the blocks' linears (shardlm.models.nf4: its groups of scales
+    depend on each weight's size)."""
+    from shardlm.models.lora import linear_types
+    from shardlm.models.nf4 import bytes_per_weight
+
+    sizes = [m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
+             if issubclass(type(m), linear_types()) and ".lora_" not in f".{n}"]
+    return sum(n * bytes_per_weight(n) for n in sizes)
+
+
+def _device(cfg: Config) -> torch.device:
+    return torch.device("cuda" if cfg.parallel.device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
 def _meta_model(cfg: Config, hf_cfg):
     model = empty_model(hf_cfg, "meta")
     if lora.enabled(cfg.lora):
@@ -58,7 +84,8 @@ def _meta_model(cfg: Config, hf_cfg):
     return model
 
 
-def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: Config | None = None) -> float:
+def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: Config | None = None,
+                                selective: bool = False) -> float:
     """Bytes autograd keeps per token for one block at `seq_len` (weights excluded), measured on a real block
     at 32 and 64 tokens: per token it is a + b * seq_len, b > 0 where attention keeps (T x T) probabilities
     (eager attention, e.g. Gemma 2's soft-capped one)."""
@@ -69,12 +96,14 @@ def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: C
             torch.nn.init.normal_(p, std=0.02)
     block.to(dtype).train()
     rotary = next((m for n, m in meta.named_modules() if n.endswith("rotary_emb")), None)
-    small, large = (_saved_bytes(block, rotary, hf_cfg, dtype, t) / t for t in (32, 64))
+    small, large = (_saved_bytes(block, rotary, hf_cfg, dtype, t, selective) / t for t in (32, 64))
     slope = max(0.0, (large - small) / 32)
     return small + slope * (seq_len - 32)
 
 
-def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tokens: int) -> float:
+def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tokens: int, selective: bool) -> float:
+    """What autograd keeps of one block's forward; `selective`: what selective checkpointing keeps instead (its
+    saved ops' outputs and the block's input)."""
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
     saved: dict[int, int] = {}
 
@@ -93,6 +122,10 @@ def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tok
         with torch.no_grad():
             kwargs = {"position_embeddings": type(rotary)(config=hf_cfg)(x, positions, **layer_type),
                       "position_ids": positions}
+    if selective:
+        with SelectiveSaved() as kept:
+            block(x, **kwargs)
+        return sum(kept.storages.values()) + x.untyped_storage().nbytes()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(x, **kwargs)
     (out[0] if isinstance(out, tuple) else out).sum().backward()
@@ -115,21 +148,29 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     compute = DTYPES[p.precision]
     csize = torch.finfo(compute).bits // 8
     B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
+    if cfg.train.objective in RL_OBJECTIVES:
+        B, T = rl_rows(cfg, hf_cfg)
     on_device = 0.0 if p.cpu_offload else 1.0
     comp: dict[str, float] = {}
     four_bit = four_bit_params(blocks) if lora.quantized(cfg.lora) else 0
     comp["parameters (fp32, sharded)"] = 4 * (total - four_bit) / shard * on_device
-    if four_bit:
+    if four_bit and lora.backend(cfg.lora, _device(cfg), use_fsdp) == "torchao":  # sharded like the rest
+        comp["base linears (4-bit NF4, torchao, sharded)"] = torchao_nf4_bytes(blocks) / shard * \
+            (on_device if shard > 1 else 1.0)  # a shard group of one rank holds them whole, on the device
+    elif four_bit:
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
     label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
     comp[label if trainable == total else f"{label}; adapters"] = state * on_device
     if cfg.train.objective in ("dpo", "ipo") and cfg.preference.reference == "live" and not lora.enabled(cfg.lora):
         # a frozen copy of the initial model, built (and sharded) as the policy; with LoRA the base serves
         comp["live reference (frozen copy of the initial model)"] = 4 * (total - four_bit) / shard * on_device
+    if cfg.train.objective in RL_OBJECTIVES and cfg.grpo.beta > 0 and not lora.enabled(cfg.lora):
+        comp["reference for grpo.beta (initial model, frozen)"] = 4 * (total - four_bit) / shard * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
         held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
-        comp["gathered parameters"] = 0.0 if both_fp32_whole else (root + held * per_block) * csize
+        gathered = _held_by_units(cfg, meta, reshard) if wrap_size(p.wrap) else root + held * per_block
+        comp["gathered parameters"] = 0.0 if both_fp32_whole else gathered * csize
     elif compute != torch.float32:
         comp["autocast weight copies"] = (total - four_bit) * csize  # 4-bit ones are dequantized per matmul
     # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
@@ -137,10 +178,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     per_token = block_saved_bytes_per_token(hf_cfg, compute, T, cfg=cfg)
     tokens = B * T
     forward: dict[str, float] = {}
-    if p.activation_checkpointing:
-        forward["activations (block inputs + 1 block recompute)"] = tokens * (len(blocks) * C * csize + per_token)
-    else:
-        forward["activations"] = tokens * len(blocks) * per_token
+    host = activations(cfg, hf_cfg, len(blocks), per_token, tokens, compute, forward)
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
     compiled = compile_mode(p.compile, device) == "model"
@@ -160,25 +198,98 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     if transform and not compiled:  # soft-capping keeps its tanh output for the backward
         forward["loss: the transformed logits"] = tokens * V * csize
     grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
-    if sum(forward.values()) >= grads:
-        comp.update(forward)
-    else:
-        comp["gradients (fp32, sharded; peak at the optimizer step)"] = grads
+    phase = forward if sum(forward.values()) >= grads else \
+        {"gradients (fp32, sharded; peak at the optimizer step)": grads}
+    if cfg.train.objective in RL_OBJECTIVES:
+        in_step = comp.get("gathered parameters", 0.0)  # 0 where the local shards are the whole fp32 tensors
+        whole = (total - four_bit) * csize if in_step else 0.0
+        sampling = generation_bytes(cfg, hf_cfg, len(blocks), csize, max(0.0, whole - in_step))
+        phase = sampling if sum(sampling.values()) > sum(phase.values()) else phase
+    comp.update(phase)
     comp["batch and framework overhead"] = tokens * 8 * 2 + 16 * 2**20
     peak = sum(comp.values())
-    return Estimate(total, comp, peak)
+    return Estimate(total, comp, peak, host)
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
-    lines = ["QLoRA runs in one process on one GPU: estimated for 1 rank"] if lora.quantized(cfg.lora) else []
-    for w in [1] if lora.quantized(cfg.lora) else world_sizes:
+    one = lora.quantized(cfg.lora) and cfg.lora.quant_backend == "bitsandbytes"  # auto: each world size its own
+    lines = ["QLoRA with bitsandbytes runs in one process on one GPU: estimated for 1 rank"] if one else []
+    for w in [1] if one else world_sizes:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
-                     f"{cfg.parallel.precision}, AC {'on' if cfg.parallel.activation_checkpointing else 'off'}, "
+                     f"{cfg.parallel.precision}, AC {cfg.parallel.activation_checkpointing}, "
+                     + (f"wrap {cfg.parallel.wrap}, " if wrap_size(cfg.parallel.wrap) else "") +
                      f"loss chunk {_chunk_name(cfg.train.loss_chunk_size)}; {est.parameters / 1e6:.1f}M parameters")
         lines.append(est.table())
     return "\n".join(lines)
 
 
+def activations(cfg: Config, hf_cfg, n: int, per_token: float, tokens: int, compute: torch.dtype,
+                forward: dict[str, float]) -> dict[str, float]:
+    """The blocks' saved activations by parallel.activation_checkpointing, into `forward`; what offload keeps in
+    CPU RAM is returned. A recomputed block holds its input; during its backward one block's forward is live
+    again. `selective` keeps its saved ops' outputs, measured on one block as `per_token` is."""
+    mode, _ = ac_mode(cfg.parallel.activation_checkpointing)
+    wrapped = len(checkpointed(cfg.parallel.activation_checkpointing, n))
+    boundary = hf_cfg.hidden_size * (torch.finfo(compute).bits // 8)  # a block's input, per token
+    on_gpu = cfg.parallel.device != "cpu" and torch.cuda.is_available()
+    if mode in ("full", "every"):
+        forward[f"activations ({wrapped} block inputs, {n - wrapped} blocks whole, 1 recompute)"] = \
+            tokens * (wrapped * boundary + (n - wrapped) * per_token + per_token)
+    elif mode == "selective":
+        kept = block_saved_bytes_per_token(hf_cfg, compute, cfg.data.seq_len, cfg=cfg, selective=True)
+        forward["activations (selective: matmul/attention outputs, 1 recompute)"] = \
+            tokens * (n * kept + per_token - kept)
+    elif mode == "offload" and on_gpu:  # the block being computed and the one whose copy is in flight
+        forward["activations (offloaded: 2 blocks on the device)"] = tokens * 2 * per_token
+        return {"offloaded activations (pinned)": tokens * n * per_token}
+    else:
+        forward["activations"] = tokens * n * per_token
+    return {}
+
+
+def _held_by_units(cfg: Config, hf, reshard: bool) -> int:
+    """parallel.wrap=size:N: the parameters gathered at once: the root's own and the two largest units (the one
+    running and the next, FSDP2's implicit prefetch), or every unit without resharding."""
+    p = cfg.parallel
+    device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
+    names, _ = size_units(hf, wrap_size(p.wrap), compile_mode(p.compile, device) != "false")
+    owned = owned_params(hf, names)
+    sizes = sorted((owned[n] for n in names), reverse=True)
+    return owned[""] + sum(sizes if not reshard else sizes[:2])
+
+
 def _chunk_name(chunk: int | None) -> str:
     return "auto" if chunk is None else str(chunk or "off")
+
+
+def rl_rows(cfg: Config, hf_cfg) -> tuple[int, int]:
+    """(rows, tokens per row) of a grpo/rloo micro-batch as shardlm.training.rl_step packs it, at its longest: for
+    the SDPA families that share a prompt (`shares_prefix`) a row per prompt, the prompt once and then its group's
+    completions, so attention's (row x row) terms grow with group x max_completion_length; else a row per
+    completion of up to data.seq_len."""
+    g, batch, seq_len = cfg.grpo, cfg.train.batch_size, cfg.data.seq_len
+    sliding = getattr(hf_cfg, "use_sliding_window", False) and getattr(hf_cfg, "sliding_window", None)
+    if hf_cfg.model_type not in SHARED_PREFIX_FAMILIES or cfg.model.attention not in ("auto", "sdpa") or sliding:
+        return batch, seq_len
+    return batch // g.group, seq_len - g.max_completion_length - 1 + g.group * g.max_completion_length
+
+
+def generation_bytes(cfg: Config, hf_cfg, layers: int, csize: int, unheld: float) -> dict[str, float]:
+    """Online RL's generation phase: each rank samples its completions of a round (train.batch_size x
+    train.grad_accum rows, shardlm.rl.sampling) with the model gathered whole once for the round (`unheld`: the
+    bytes beyond what a training step holds gathered); keys and values cached for every row up to data.seq_len
+    (prompt + grpo.max_completion_length: an upper bound, a prompt is usually shorter), plus one layer's keys
+    copied while the cache grows by a token; and a decode step's (rows x vocab) logits with the fp32 tensors
+    sampling makes of them (temperature, softmax, its cumulative sum; top-p sorts and scatters: 28 bytes more)."""
+    g, rows, T = cfg.grpo, cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len
+    heads = hf_cfg.num_attention_heads
+    kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads
+    per_layer = kv_heads * head_dim * T * rows * csize  # its keys, or its values
+    per_logit = csize + 12 + (4 if 0 < g.top_k < hf_cfg.vocab_size else 0) + (28 if g.top_p < 1 else 0)
+    out = {f"generation: KV cache ({rows} rows x {T} tokens)": (2.0 * layers + 1) * per_layer,
+           "generation: a decode step's logits (rows x vocab)": rows * hf_cfg.vocab_size * per_logit}
+    if unheld:
+        out["generation: the whole model gathered"] = unheld
+    return out

@@ -2,6 +2,9 @@
 the micro-batch x grad_accum that trains CONFIG's batch with it, and that split's tokens/s and peak; prints a table
 and writes the fastest setting as a YAML override file for `shardlm train CONFIG tuned.yaml`.
 
+Each FSDP setting is tried without activation checkpointing first, then with selective, full and (on a GPU)
+offload in turn while the one before cannot train the per-rank batch as one micro-batch (`ac_ladder`).
+
 Tune keeps the global batch of CONFIG (ranks x train.batch_size x train.grad_accum blocks per optimizer step).
 Changing it changes the optimization, not only the speed: at the same lr and tokens, a larger batch means fewer,
 larger steps (Tiny Shakespeare: 490 steps x 32 blocks reach val loss 1.84, 61 x 256 only 2.51). So the per-rank
@@ -64,11 +67,17 @@ def settings_grid(cfg: Config, world_size: int, on_gpu: bool) -> list[dict[str, 
     offload = [False, True] if on_gpu else [False]  # offload trades speed for memory only where there is a GPU
     chunk = cfg.train.loss_chunk_size or 1024  # null (auto) and 0 both try 1024 against 0
     grid = []
-    for sharding, ac, chunked, precision, off in itertools.product(shardings, [False, True], [0, chunk], precisions,
-                                                                   offload):
-        grid.append({"parallel.sharding": sharding, "parallel.activation_checkpointing": ac,
+    for sharding, chunked, precision, off in itertools.product(shardings, [0, chunk], precisions, offload):
+        grid.append({"parallel.sharding": sharding, "parallel.activation_checkpointing": "none",
                      "train.loss_chunk_size": chunked, "parallel.precision": precision, "parallel.cpu_offload": off})
     return grid
+
+
+def ac_ladder(on_gpu: bool) -> list[str]:
+    """Activation checkpointing modes in the order tune tries them on a setting, each while the one before cannot
+    train the per-rank batch as one micro-batch: recomputing (or moving) activations costs time, so a setting
+    that fits without it is not tried with it. Offload moves them over PCIe: a GPU's only."""
+    return ["none", "selective", "full", *(["offload"] if on_gpu else [])]
 
 
 def _with(cfg: Config, setting: dict[str, object], batch: int, accum: int = 1) -> Config:
@@ -195,9 +204,13 @@ def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 
     points = []
     with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as scratch:
         cfg = build_config({**to_flat_dict(cfg), "out_dir": scratch})  # trials never write into a run's out_dir
-        for setting in settings_grid(cfg, info.world_size, on_gpu):
-            log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
-            points.append(search(cfg, setting, budget, steps, max_batch, info.world_size, log))
+        for base in settings_grid(cfg, info.world_size, on_gpu):
+            for ac in ac_ladder(on_gpu):
+                setting = {**base, "parallel.activation_checkpointing": ac}
+                log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
+                points.append(search(cfg, setting, budget, steps, max_batch, info.world_size, log))
+                if points[-1].micro_batch == per_rank:  # the whole per-rank batch in one micro-batch
+                    break
     return points
 
 
@@ -205,7 +218,7 @@ def _row(p: Point) -> str:
     s = p.setting
     fit = f">={p.max_batch} (cap)" if p.capped else str(p.max_batch or "none")
     chosen = f"{p.micro_batch} x {p.grad_accum}" if p.micro_batch else "-"
-    return (f"{s['parallel.sharding']!s:<9} {str(s['parallel.activation_checkpointing']):<5} "
+    return (f"{s['parallel.sharding']!s:<9} {str(s['parallel.activation_checkpointing']):<9} "
             f"{s['train.loss_chunk_size']!s:>5} {s['parallel.precision']!s:<5} {str(s['parallel.cpu_offload']):<7} "
             f"{fit:>12} {chosen:>13} {p.tokens_per_s:>9.0f} {p.peak_gb:>8.2f}")
 
@@ -240,7 +253,7 @@ def report(points: list[Point], out: Path) -> str:
                            "more ranks.")
     first = points[0]
     world, per_rank = first.world_size, first.per_rank_batch
-    header = (f"{'sharding':<9} {'AC':<5} {'chunk':>5} {'prec':<5} {'offload':<7} {'max micro':>12} "
+    header = (f"{'sharding':<9} {'AC':<9} {'chunk':>5} {'prec':<5} {'offload':<7} {'max micro':>12} "
               f"{'micro x accum':>13} {'tokens/s':>9} {'peak GiB':>8}")
     rows = [f"global batch kept: {world} rank{'s' * (world != 1)} x {per_rank} blocks = {world * per_rank} blocks "
             "per optimizer step (as in your config)", "", header, "-" * len(header)]

@@ -191,7 +191,7 @@ def frozen_reference(run, build_model) -> CausalLM:
 
     cfg, dist = run.cfg, run.dist
     # no activation checkpointing: it saves nothing without a backward
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing=False))
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="none"))
     devices = [dist.device.index or 0] if dist.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         model = build_model(cfg, run.hf_config, run.plan, dist)
