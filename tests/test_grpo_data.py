@@ -103,15 +103,23 @@ def test_chat_tasks_as_prompts(tok):
     assert val.token_ids(0) == prompt_token_ids(tok, val.prompt(0))
 
 
-def test_parquet_prompts(tok, tmp_path):
+def test_parquet_and_hf_prompts(tok, tmp_path):
+    """Parquet (rows named `file:row N`) and `hf:json` records give the prompts JSONL gives."""
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
 
-    pq.write_table(pa.table({"prompt": ["2+2=", "3+4="], "answer": ["4", "7"]}), tmp_path / "p.parquet")
-    rows = load_prompts(build_prompts(resolve(str(tmp_path / "p.parquet"), "train", None), tok, DataConfig(),
-                                      tmp_path / "cache", log=lambda _: None))
-    assert [rows.token_ids(i) for i in range(2)] == [list(b"2+2="), list(b"3+4=")]
-    assert rows.prompt(1).fields == {"answer": "7"} and rows.where(1).endswith("p.parquet:row 2")
+    records = [{"prompt": "2+2=", "answer": "4"}, {"prompt": "3+4=", "answer": "7"}]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "p.parquet")
+    jsonl = write_jsonl(tmp_path / "p.jsonl", records)
+    cfg = DataConfig(data_files=str(jsonl))
+    got = [load_prompts(build_prompts(resolve(spec, "train", cfg.data_files), tok, cfg, tmp_path / "cache",
+                                      log=lambda _: None)) for spec in (str(jsonl), str(tmp_path / "p.parquet"),
+                                                                        "hf:json")]
+    assert [got[0].token_ids(i) for i in range(2)] == [list(b"2+2="), list(b"3+4=")]
+    for rows in got:
+        assert [(rows.token_ids(i), rows.prompt(i)) for i in range(2)] == \
+            [(got[0].token_ids(i), got[0].prompt(i)) for i in range(2)]
+    assert got[1].where(1).endswith("p.parquet:row 2") and got[1].prompt(1).fields == {"answer": "7"}
 
 
 def test_online_rl_takes_trls_defaults():
