@@ -160,3 +160,24 @@ def test_the_dry_run_shows_the_prompt_as_sampled_and_what_each_reward_returns(fo
     assert "rewards of the completions 'cba' and '' of the first prompt: exact_match: 1, 0; rewards:good: 0.5, " \
            "0.5" in out
     assert "prompts: 18 train / 2 val; 2 steps of 2 prompts x grpo.group=2 completions" in out
+
+
+def test_a_resume_refused_for_its_reward_leaves_the_run_as_it_was(folder):
+    """A trained grpo run resumed with a reward that raises is refused before anything is written: its checkpoint,
+    config and records stay byte for byte (row 174's 'nothing lost')."""
+    import signal
+
+    from helpers import folder_digest, train_in_process
+
+    args = grpo_args(folder, "grpo.rewards=[exact_match]", "train.max_steps=1", "grpo.max_completion_length=4")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}  # an in-process run sets its own
+    try:
+        train_in_process(args[1:])
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    run = folder / "run"
+    digest = folder_digest(run)
+    message = refusal(["resume", str(run), "train.max_steps=2", "grpo.rewards=[rewards:boom]"])
+    assert "reward 'rewards:boom' raised ZeroDivisionError" in message
+    assert folder_digest(run) == digest
