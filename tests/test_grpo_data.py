@@ -199,7 +199,8 @@ def test_prepare_renders_the_prompt_cache_a_run_uses(tmp_path, monkeypatch, caps
 
 def test_prompt_sources_that_cannot_serve(tok, tmp_path):
     """Each refused in one line naming the fix: a mixture, a record without a prompt, a source with none left, a
-    field JSON cannot hold, a held-out share too small to hold one prompt."""
+    field JSON cannot hold, a conversation without a chat template or one it refuses (skipped on request), a
+    held-out share too small to hold one prompt."""
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "x", "answer": "y"}] * 3)
     with pytest.raises(ShardlmError, match=r"data.train is a list \(a mixture\), but online RL .* concatenate"):
         prepare_prompts(DataConfig(train=[str(a), str(a)]), tok, None)
@@ -219,6 +220,17 @@ def test_prompt_sources_that_cannot_serve(tok, tmp_path):
     with pytest.raises(ShardlmError, match=r"b.parquet:row 1: field 'image' holds a bytes, which the prompt cache "
                                            "cannot store as JSON .* Convert it to text or numbers, or drop the field."):
         prepare_prompts(DataConfig(train=str(tmp_path / "b.parquet"), val=str(a)), tok, None)
+    plain = byte_tokenizer()
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "x"}, {"prompt": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(ShardlmError, match=r"chat.jsonl:2: a conversation needs a chat template and tokenizer .* has "
+                                           "none. Set model.chat_template"):
+        prepare_prompts(DataConfig(train=str(chat), val=str(a)), plain, None)
+    set_chat_template(plain, "plain")
+    tool = write_jsonl(tmp_path / "tool.jsonl", [{"prompt": [{"role": "user", "content": "x"}]},
+                                                 {"prompt": [{"role": "tool", "content": "x"}]}])
+    with pytest.raises(ShardlmError, match=r"tool.jsonl:2: the chat template refuses this conversation \(.*\). Fix"):
+        prepare_prompts(DataConfig(train=str(tool), val=str(a)), plain, None)
+    assert len(prepare_prompts(DataConfig(train=str(tool), val=str(a), on_bad_example="skip"), plain, None)[0]) == 1
     one = write_jsonl(tmp_path / "one.jsonl", [{"prompt": "x"}])
     with pytest.raises(ShardlmError, match=r"the training data '.*one.jsonl' has no prompts with data.val_fraction=0.1 "
                                            r"held out for validation. Use more prompts, data.val, or another"):

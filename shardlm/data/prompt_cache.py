@@ -92,13 +92,12 @@ def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
         for where, record in iter_records(source):
             try:
                 p = rl_prompt(record, where, cfg.system_prompt)
-                line = _line(where, p)
+                line, ids = _line(where, p), prompt_token_ids(tok, p, where)
             except BadExample as e:
                 if cfg.on_bad_example != "skip":
                     raise
                 skipped.append(str(e))
                 continue
-            ids = prompt_token_ids(tok, p)
             ids_out.write(np.asarray(ids, dtype=dtype).tobytes())
             offsets.append(offsets[-1] + len(ids))
             lines_out.write(line)

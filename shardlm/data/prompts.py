@@ -93,11 +93,22 @@ def rl_prompt(record: dict, where: str, system: str | None = None) -> RLPrompt:
                      "prompt record is {\"prompt\": text or messages, ...fields for the rewards}.")
 
 
-def prompt_token_ids(tok, prompt: RLPrompt) -> list[int]:
-    if prompt.conversational:
-        return list(tok.apply_chat_template(prompt.prompt, add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"])
-    return list(tok(prompt.prompt)["input_ids"])
+def prompt_token_ids(tok, prompt: RLPrompt, where: str = "a prompt") -> list[int]:
+    """The ids the sampler continues; a conversation with no template, or one its template refuses, is one line
+    naming `where` (the template's refusal a BadExample: data.on_bad_example=skip leaves that prompt out)."""
+    if not prompt.conversational:
+        return list(tok(prompt.prompt)["input_ids"])
+    if not getattr(tok, "chat_template", None):
+        raise ShardlmError(f"{where}: a conversation needs a chat template and tokenizer "
+                           f"'{getattr(tok, 'name_or_path', '')}' has none. Set model.chat_template to chatml, plain "
+                           "or a .jinja file.")
+    try:
+        out = tok.apply_chat_template(prompt.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError, or the template's own raise_exception
+        raise BadExample(f"{where}: the chat template refuses this conversation ({str(e).splitlines()[0]}). Fix "
+                         "the roles or order of its messages, or use a template that accepts them "
+                         "(model.chat_template).") from None
+    return list(out["input_ids"])
 
 
 def completion_for_rewards(text: str, prompt: RLPrompt) -> str | list[dict]:
@@ -182,12 +193,12 @@ def prompt_rows(records: Iterable[dict], tok, cfg: DataConfig, where: str = "rec
         place = f"{where}:{n + 1}"
         try:
             p = rl_prompt(record, place, cfg.system_prompt)
+            ids += prompt_token_ids(tok, p, place)
         except BadExample:
             if cfg.on_bad_example != "skip":
                 raise
             continue
         entries.append((place, p))
-        ids += prompt_token_ids(tok, p)
         offsets.append(len(ids))
     if not entries:
         raise ShardlmError(f"{where} holds no prompts. Give records such as "
