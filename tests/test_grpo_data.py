@@ -195,6 +195,9 @@ def test_prepare_renders_the_prompt_cache_a_run_uses(tmp_path, monkeypatch, caps
     set_chat_template(tok, "chatml")
     train, _ = prepare_prompts(DataConfig(train="p.jsonl", cache_dir="cache"), tok, None)
     assert Path(train.meta["folder"]).resolve() == built[0].resolve()  # found, not rendered again
+    with pytest.raises(SystemExit) as done:  # a mixture, which the run refuses, is not rendered either
+        main(["prepare", "data.train=[p.jsonl,p.jsonl]", *RL_RUN])
+    assert done.value.code == 2 and "data.train is a list (a mixture), but online RL" in capsys.readouterr().err
 
 
 def test_prompt_sources_that_cannot_serve(tok, tmp_path):
