@@ -44,12 +44,12 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
     from shardlm.config.grpo import RL_OBJECTIVES
     from shardlm.data.cache import build_cache, cache_root
     from shardlm.data.examples import build_examples, source_format
-    from shardlm.data.prompt_cache import build_prompts, check_one_source, prompt_source
+    from shardlm.data.prompt_cache import build_prompts, one_source, prompt_source
     from shardlm.data.sources import resolve
     from shardlm.tokenizer import model_tokenizer
 
     if cfg.train.objective in RL_OBJECTIVES:
-        check_one_source(cfg.data)
+        one_source(cfg.data)
     tokenizer = model_tokenizer(cfg.model)
     root = cache_root(cfg.data.cache_dir)
     done = []

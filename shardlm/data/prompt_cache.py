@@ -196,17 +196,18 @@ def load_prompt_split(spec: str, cfg: DataConfig, tok, dist, default_split: str,
     return load_prompts(path)
 
 
-def check_one_source(cfg: DataConfig) -> None:
+def one_source(cfg: DataConfig) -> str:
+    """data.train, refused in one line when it is a mixture."""
     if isinstance(cfg.train, list):
         raise ShardlmError("data.train is a list (a mixture), but online RL (train.objective grpo/rloo) samples "
                            "from one prompt source: concatenate the prompt files into one, or give one of them.")
+    return cfg.train
 
 
 def prepare_prompts(cfg: DataConfig, tok, dist) -> tuple[PromptRows, PromptRows]:
     """The training and validation prompts: data.val's, or the last data.val_fraction of data.train's held out
     (the same cache, another range). `dist` None: a dry run, which writes nothing."""
-    check_one_source(cfg)
-    train = load_prompt_split(cfg.train, cfg, tok, dist, "train", "data.train")
+    train = load_prompt_split(one_source(cfg), cfg, tok, dist, "train", "data.train")
     if cfg.val:
         val = load_prompt_split(cfg.val, cfg, tok, dist, "validation", "data.val")
     else:
