@@ -83,6 +83,34 @@ def test_completion_logps_are_the_padded_references():
         torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-4)
 
 
+def test_the_padding_vocabulary_is_neither_sampled_nor_scored():
+    """model.vocab_multiple pads the head with ids of no token: the sampler never draws them and the scores are
+    normalized over the tokenizer's ids alone, as the sampler's distribution is."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardlm.models.causal_lm import CausalLM
+    from shardlm.rl.sampling import SamplingParams, TransformersSampler
+    from shardlm.training.rl_step import micro_batch
+
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=64, n_layer=1, n_embd=16, n_head=2,
+                                    initializer_range=2.0)).eval()  # wide logits: padded ids would be drawn
+    model = CausalLM(hf)
+    model.vocab = 8
+    prompts = [[1, 2, 3], [4]]
+    out = TransformersSampler(hf, pad=0, vocab=8).sample(prompts, [0, 1], SamplingParams(group=8, max_tokens=6))
+    assert max(max(c) for c in out.completions) < 8
+    assert max(max(c) for c in TransformersSampler(hf, pad=0).sample(prompts, [0, 1], SamplingParams(
+        group=8, max_tokens=6)).completions) >= 8
+    tokens, positions, targets, _ = micro_batch([out.prompt_of(i) for i in range(16)], out.completions, 0,
+                                                torch.device("cpu"))
+    with torch.no_grad():
+        got, _ = model.completion_logps(tokens, positions, targets)
+        logits = hf(tokens).logits[..., :8].log_softmax(-1)
+    keep = targets != -100
+    torch.testing.assert_close(got, logits[keep].gather(1, targets[keep][:, None]).squeeze(1))
+
+
 @pytest.mark.parametrize("objective,precision,rises_to,val_to", [("grpo", "bf16", 0.8, 0.75),
                                                                 ("rloo", "fp32", 0.6, 0.5)])
 def test_a_tiny_model_learns_a_rule_based_reward(rl_data, cache_dir, tmp_path, capsys, objective, precision, rises_to,

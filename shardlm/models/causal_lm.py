@@ -100,9 +100,9 @@ class CausalLM(nn.Module):
         prompt among several completions (shardlm.training.rl_step), for the SDPA families `shares_prefix` names."""
         out = self._body(tokens, positions, mask=mask)
         scale = 1.0 / temperature if temperature > 0 else 1.0
-        if self.full_logits:
+        if self.full_logits:  # the padding vocabulary left out: the sampler never draws it
             keep = (targets.flatten() != IGNORE).nonzero().squeeze(1)
-            logits = out.logits.flatten(0, 1).index_select(0, keep).float() * scale
+            logits = out.logits[..., :self.vocab or None].flatten(0, 1).index_select(0, keep).float() * scale
             picked = targets.flatten().index_select(0, keep)
             logps = logits.log_softmax(-1)
             entropy = -(logps.exp() * logps).sum(-1).detach() if with_entropy else None
@@ -111,6 +111,8 @@ class CausalLM(nn.Module):
             raise ValueError("completion_logps needs the rows' positions")
         hidden, kept = at_targets(positions, targets, out.last_hidden_state, targets)
         weight, bias = self._head()
+        if self.vocab:
+            weight, bias = weight[:self.vocab], None if bias is None else bias[:self.vocab]
         chunk = self.loss_chunk_size or 1024
         return target_logps(hidden, weight, bias, kept, scale, chunk, with_entropy)
 

@@ -114,10 +114,13 @@ def pick(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k
 
 class TransformersSampler:
     """`Sampler` on a transformers causal LM (the one being trained: `root` is the module FSDP2 shards as its
-    root, whose parameters are gathered once per round; `max_rows` bounds the rows decoded at once)."""
+    root, whose parameters are gathered once per round; `max_rows` bounds the rows decoded at once; `vocab`: the
+    tokenizer's ids, where model.vocab_multiple padded the head with ids of no token, which are never drawn)."""
 
-    def __init__(self, model: PreTrainedModel, pad: int, root: nn.Module | None = None, max_rows: int = 64):
+    def __init__(self, model: PreTrainedModel, pad: int, root: nn.Module | None = None, max_rows: int = 64,
+                 vocab: int | None = None):
         self.model, self.pad, self.root, self.max_rows = model, pad, root, max(1, max_rows)
+        self.vocab = vocab
         forward = inspect.signature(model.forward).parameters
         self.cache_name = "cache" if "cache" in forward else "past_key_values"  # transformers 5's name, or 4's
 
@@ -158,7 +161,7 @@ class TransformersSampler:
         stop = torch.tensor(list(p.stop) or [-1], device=device)
         for step in range(p.max_tokens):
             uniforms = torch.tensor([torch.rand((), generator=gens[r]).item() for r in rows])
-            tokens = pick(logits, uniforms, p.temperature, p.top_k, p.top_p)
+            tokens = pick(logits[:, :self.vocab], uniforms, p.temperature, p.top_k, p.top_p)
             for r, t in zip(rows, tokens.tolist(), strict=True):
                 new[r].append(t)
             running = ~torch.isin(tokens, stop)

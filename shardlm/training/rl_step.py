@@ -155,7 +155,7 @@ class RLStep:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         # The one attribute a colocated inference engine (vLLM) would replace: token ids in, token ids out
         self.sampler: Sampler = TransformersSampler(run.model.hf, self.pad, root=run.model,
-                                                    max_rows=max(batch * accum, g.group))
+                                                    max_rows=max(batch * accum, g.group), vocab=run.model.vocab)
         stop = [t for t in (end_of_turn_id(self.tok), self.tok.eos_token_id) if t is not None]
         self.params = sampling_params(g, stop, cfg.train.seed)
         self.round: Round | None = None
