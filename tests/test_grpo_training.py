@@ -187,3 +187,16 @@ def test_a_killed_run_resumes_exactly(uninterrupted, rl_data, cache_dir, tmp_pat
     assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), rel=1e-5, abs=1e-7)
     assert [r["reward"] for r in records(tmp_path) if "reward" in r] == \
         [r["reward"] for r in records(uninterrupted) if "reward" in r]
+
+
+def test_eval_reports_the_runs_validation(uninterrupted, capsys):
+    """`shardlm eval RUN` of an online RL run: its validation (the same seeded samples and greedy completions) on
+    the saved model, the numbers of the run's last validation record."""
+    from shardlm.inference.evaluate import evaluate_path
+
+    result = evaluate_path(str(uninterrupted), [])
+    last = records(uninterrupted, "val")[-1]
+    assert (result["reward"], result["exact_match"], result["prompts"]) == (last["reward"], last["exact_match"], 7)
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["reward"] == last["reward"]
+    assert f"val reward {last['reward']:.4f} exact_match 0.000 on 7 of 7 prompts" in err

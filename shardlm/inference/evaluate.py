@@ -33,6 +33,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of
 from shardlm.config import Config, LoraConfig, build_config, parse_overrides, to_flat_dict
+from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Batch, Blocks, ExampleRows, TokenBlocks
 from shardlm.data.examples import ExampleSet
 from shardlm.data.mixture import MixtureBlocks
@@ -53,6 +54,7 @@ from shardlm.models.loss import IGNORE
 from shardlm.models.preference import REFERENCE_FREE
 from shardlm.observe.metrics import describe_val
 from shardlm.observe.progress import EvalProgress
+from shardlm.training.rl_step import describe_prompts, evaluate_prompts
 from shardlm.training.validate import TokenScores, Validator, scoring_model
 
 
@@ -136,6 +138,7 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = gen or GenOptions()
     gen.check()  # before any model is loaded
+    stdout = sys.stdout  # online RL's JSON line, written from inside the redirect
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries the JSON line alone (scripts parse it)
         model, tokenizer, saved, ckpt = load_for_inference(path, device.type)
         context = context_length(model.config) or 1024
@@ -146,6 +149,11 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
+        if cfg.train.objective in RL_OBJECTIVES and not (stride or gen.n or exact_match):  # as its validation
+            result = evaluate_prompts(model, tokenizer, cfg, device)
+            print(f"val {describe_prompts(result, result['held_out_tokens'])}", file=sys.stderr)
+            print(json.dumps(result), file=stdout)
+            return result
         tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
         pairs = [t for t in tails if isinstance(t, ExampleRows) and t.group == 2]
         if pairs:

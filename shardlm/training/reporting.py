@@ -29,6 +29,7 @@ from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
 from shardlm.training.build import Run, describe_optimizer
 from shardlm.training.preference import STATS
+from shardlm.training.rl_step import describe_prompts
 
 
 def global_batch(run: Run) -> int:
@@ -210,8 +211,7 @@ class Reporter:
         """A validation result in words; online RL's: the mean sampled reward and the greedy exact match."""
         if "reward" not in result:
             return describe_val(result, held_out, self.run.cfg.train.eval_batches)
-        return (f"reward {result['reward']:.4f} exact_match {result['exact_match']:.3f} on {result['prompts']:,} of "
-                f"{held_out:,} prompts")
+        return describe_prompts(result, held_out)
 
     def close(self, step: int, stopped: bool) -> dict[str, Any]:
         """Close the outputs; print the closing line unless the run stopped on a signal (train.py says so)."""

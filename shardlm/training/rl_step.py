@@ -383,6 +383,29 @@ class RLStep:
         return out
 
 
+def describe_prompts(result: dict[str, Any], held_out: int) -> str:
+    """An RL validation in words, as the run and `shardlm eval` print it."""
+    return (f"reward {result['reward']:.4f} exact_match {result['exact_match']:.3f} on {result['prompts']:,} of "
+            f"{held_out:,} prompts")
+
+
+def evaluate_prompts(model: Any, tokenizer: Any, cfg: Any, device: torch.device) -> dict[str, Any]:
+    """`shardlm eval` of an online RL run: its validation (`RLStep.validate`: the same seeded samples and greedy
+    completions) on a loaded model, in one process."""
+    from types import SimpleNamespace
+
+    from shardlm.data.prompt_cache import prepare_prompts
+    from shardlm.distributed.process_group import Dist, LaunchInfo
+    from shardlm.training.validate import scoring_model
+
+    dist = Dist(LaunchInfo("single"), device)
+    _, val = prepare_prompts(cfg.data, tokenizer, dist)
+    lm = scoring_model(model, cfg.train.loss_chunk_size or 0)
+    run = SimpleNamespace(cfg=cfg, dist=dist, model=lm, tokenizer=tokenizer, train=val)
+    result = RLStep(run, cfg.train.batch_size, 1, contextlib.nullcontext).validate(val, cfg.train.eval_batches)
+    return result | {"held_out_tokens": len(val)}
+
+
 def prompt_split(blocks: Any, what: str) -> PromptRows:
     """The prompts of a split, or a clear error (shardlm.training.checks refuses other data first)."""
     if isinstance(blocks, PromptRows):
