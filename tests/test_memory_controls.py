@@ -29,7 +29,7 @@ def one_step(corpus, cache_dir, out, mode: str, **extra) -> tuple[float, dict[st
     ops = OpCounter()
     with ops if extra.get("parallel.compile", "false") == "false" else contextlib.nullcontext():
         loss = trainer.forward_backward_step(batch).item()
-    grads = {n.replace(WRAPPED, ""): p.grad.clone() for n, p in trainer.model.named_parameters()}
+    grads = {n.replace(WRAPPED, ""): p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.close()
     return loss, grads, ops.counts
 
@@ -74,6 +74,15 @@ def test_every_mode_trains_as_none(eager_none, corpus, cache_dir, tmp_path, mode
         assert matmuls == none_matmuls
         assert sum(got[2].values()) > sum(eager_none[2].values())
         assert got[2]["gelu"] == 2 * eager_none[2]["gelu"]
+
+
+def test_selective_and_offload_train_a_lora_llama_as_none(lora_bases, corpus, cache_dir, tmp_path):
+    """Rotary embeddings, SwiGLU and PEFT's adapter layers (their matmuls kept too): only the adapters' gradients."""
+    lora = {"model.name": lora_bases[0]["llama"], "lora.r": 4, "lora.alpha": 8}
+    none = one_step(corpus, cache_dir, tmp_path / "none", "none", **lora)
+    assert none[1] and all("lora_" in name for name in none[1])
+    for mode in ("selective", "offload"):
+        assert_same(one_step(corpus, cache_dir, tmp_path / mode, mode, **lora), none)
 
 
 @pytest.fixture(scope="module")

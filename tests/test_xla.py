@@ -125,6 +125,9 @@ def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
     (["parallel.precision=fp16"], 1, "precision=fp16 is not supported on XLA.*parallel.precision=bf16"),
     (["parallel.compile=model"], 1, "compile=model is not supported on XLA.*compiles every step's graph itself"),
     (["parallel.sharding=hybrid_grad"], 1, "sharding=hybrid_grad is not supported on XLA.*hybrid_full"),
+    (["parallel.activation_checkpointing=selective"], 1, "activation_checkpointing=selective is not supported on "
+                                                         "XLA.*=full \\(or every:N\\)"),
+    (["parallel.wrap=size:1M"], 1, "wrap=size:1M is not supported on XLA.*parallel.wrap=block"),
     ([], 2, "with 2 launched processes.*without a launcher"),
 ])
 def test_what_xla_cannot_do_is_refused_before_any_work(overrides, world, message):
