@@ -126,7 +126,7 @@ CATALOGUE = {  # row: overrides (FILE: a file of FILES; HF / OPT: the tiny model
     "133-dpo": ["train.objective=dpo"],
     "9": ["model.name=HF", "data.seq_len=64"], "22": ["model.name=HF", "model.tokenizer=gpt2"],
     "54": ["model.name=HF", "lora.r=2", "lora.target_modules=[qkv]"],
-    "58": ["model.name=HF", "lora.r=2", "lora.quantize=nf4"],
+    "58": ["model.name=HF", "lora.r=2", "lora.quantize=nf4", "lora.quant_backend=bitsandbytes"],
     "131": ["model.name=HF", "data.train=FILE:chat.jsonl", "model.chat_template=chatml", "data.seq_len=32"],
     "138": ["model.name=HF", 'model.config_overrides={"n_inner": 64}'],
     "139": ["model.name=HF", "model.rope_scaling={type: yarn, factor: 4}"],

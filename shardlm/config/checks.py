@@ -162,6 +162,8 @@ def _check_lora(cfg: Config) -> None:
     _positive("lora.r", lora.r, allow_zero=True)
     if lora.quantize not in (None, "nf4"):
         raise ShardlmError(f"lora.quantize={lora.quantize!r} is not one of nf4, null.")
+    if lora.quant_backend not in ("auto", "torchao", "bitsandbytes"):
+        raise ShardlmError(f"lora.quant_backend={lora.quant_backend!r} is not one of auto, torchao, bitsandbytes.")
     if lora.r == 0:
         if lora.quantize:
             raise ShardlmError(f"lora.quantize={lora.quantize} quantizes the frozen base of a LoRA run: set lora.r "

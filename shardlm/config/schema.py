@@ -61,7 +61,8 @@ class LoraConfig:
     alpha: float = 16.0  # LoRA scaling numerator (scale = alpha / r)
     dropout: float = 0.0  # dropout on the LoRA path
     target_modules: list[str] | None = None  # module names to adapt; None (or all-linear) = every linear of the blocks
-    quantize: str | None = None  # nf4 = QLoRA (bitsandbytes, CUDA only); None = base weights in parallel.precision
+    quantize: str | None = None  # nf4 = QLoRA: the blocks' frozen linears in 4 bits; None = in parallel.precision
+    quant_backend: str = "auto"  # QLoRA's: auto (bitsandbytes in one CUDA process, else torchao), torchao, bitsandbytes
 
 
 @dataclass

@@ -21,7 +21,7 @@ from shardlm.config import Config, ParallelConfig
 from shardlm.config.checks import ac_mode, wrap_size
 from shardlm.distributed import checkpointing, wrapping
 from shardlm.distributed.process_group import Dist
-from shardlm.models import lora
+from shardlm.models import lora, nf4
 from shardlm.models.causal_lm import CausalLM, transformer_blocks
 
 # strategy -> (hybrid 2-D mesh?, reshard_after_forward). no_shard is a 2-D mesh whose shard dim is 1.
@@ -268,6 +268,8 @@ def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, d
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
     if p.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if pl.mesh_shape[-1] == 1:  # torch's one-rank shortcut passes a tensor subclass only its first all-gather input
+        kwargs["ignored_params"] = {q for q in model.parameters() if nf4.is_nf4(q)}  # QLoRA's NF4 base: held whole
     sharded: list[FSDPModule] = []  # the blocks themselves, as fully_shard returns them
     if wrap_size(p.wrap):
         for name in wrapping.check_size(model.hf, wrap_size(p.wrap), pl.compile != "false", p.wrap):

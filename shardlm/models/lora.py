@@ -16,6 +16,9 @@ Design:
 - Default targets: every Linear / Conv1D inside the transformer blocks (attention and MLP projections), by
   their last name (`c_attn, c_proj, c_fc` for GPT-2; `q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
   down_proj` for Llama). The embeddings and the (often tied) head stay frozen.
+- QLoRA (`lora.quantize=nf4`) holds the blocks' frozen linears in 4 bits under the adapters: with torchao's NF4
+  tensors (shardlm.models.nf4), which FSDP2 shards and which run on CPU, or with bitsandbytes in one CUDA process
+  (`quantized_base`); `backend` says which, `check` refuses what the chosen one cannot run.
 - A checkpoint of a LoRA run holds only the adapter (plus optimizer, schedule, data position, RNG) and the
   base's identity (`base_identity`): resuming or loading it onto another base is refused.
 """
@@ -44,33 +47,73 @@ def enabled(lc: LoraConfig) -> bool:
     return lc.r > 0
 
 
-def check(lc: LoraConfig, device: torch.device | None = None, sharded: bool = False) -> None:
-    """QLoRA's refusals that depend on the device and the plan (the settings are checked with the config)."""
+def backend(lc: LoraConfig, device: torch.device | None = None, sharded: bool = False) -> str | None:
+    """QLoRA's backend (None without QLoRA): lora.quant_backend, with auto resolved to bitsandbytes in one CUDA
+    process where it is installed (the QLoRA paper's kernels), torchao everywhere else (it shards, and runs on CPU)."""
     if not quantized(lc):
+        return None
+    if lc.quant_backend != "auto":
+        return lc.quant_backend
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    one_gpu = cuda and not sharded and importlib.util.find_spec("bitsandbytes") is not None
+    return "bitsandbytes" if one_gpu else "torchao"
+
+
+def check(lc: LoraConfig, device: torch.device | None = None, sharded: bool = False) -> None:
+    """QLoRA's refusals that depend on the device and the plan (the settings are checked with the config; the
+    weights' shapes where the model is built, shardlm.models.nf4.check)."""
+    chosen = backend(lc, device, sharded)
+    if chosen is not None and device is not None and device.type == "xla":
+        raise ShardlmError("lora.quantize=nf4 (QLoRA) does not run on XLA devices (neither torchao's NF4 tensors nor "
+                           "bitsandbytes' 4-bit layers are tested there): use lora.quantize=null on a TPU.")
+    if chosen == "torchao":
+        from shardlm.models.nf4 import import_problem
+
+        if (problem := import_problem()) is not None:
+            raise ShardlmError(f"lora.quantize=nf4 with lora.quant_backend=torchao needs torchao, which does not "
+                               f"import here ({problem}): pip install 'torchao>=0.17' (it needs torch >= 2.10), or use "
+                               "lora.quant_backend=bitsandbytes in one process on a CUDA GPU.")
+        return
+    if chosen != "bitsandbytes":
         return
     cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
     if not cuda:
-        raise ShardlmError("lora.quantize=nf4 (QLoRA) needs a CUDA GPU (bitsandbytes 4-bit kernels); this run "
-                           "is on CPU. Use lora.quantize=null (LoRA on full-precision base weights) on CPU.")
+        raise ShardlmError("lora.quant_backend=bitsandbytes needs a CUDA GPU (its 4-bit kernels); this run is on "
+                           "CPU. Use lora.quant_backend=torchao (or auto), which runs QLoRA on CPU.")
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ShardlmError("lora.quantize=nf4 (QLoRA) needs the bitsandbytes package, which is not installed: "
-                           "pip install shardlm[qlora] (or set lora.quantize=null).")
+        raise ShardlmError("lora.quant_backend=bitsandbytes needs the bitsandbytes package, which is not installed: "
+                           "pip install shardlm[qlora] (or set lora.quant_backend=torchao).")
     if sharded:
-        raise ShardlmError("lora.quantize=nf4 (QLoRA) runs in one process on one GPU: bitsandbytes keeps each 4-bit "
-                           "weight's quantization state on the parameter, which FSDP2's sharded parameters do not "
-                           "carry. Launch one process (parallel.fsdp=null, no cpu_offload), or spread the base over "
-                           "GPUs with lora.quantize=null, parallel.precision=bf16 and parallel.sharding=full.")
+        raise ShardlmError("lora.quant_backend=bitsandbytes runs in one process on one GPU: bitsandbytes keeps each "
+                           "4-bit weight's quantization state on the parameter, which FSDP2's sharded parameters do "
+                           "not carry. Use lora.quant_backend=torchao (or auto), whose NF4 weights FSDP2 shards, "
+                           "or launch one process (parallel.fsdp=null, no cpu_offload).")
 
 
 def quantized(lc: LoraConfig) -> bool:
     return enabled(lc) and lc.quantize == "nf4"
 
 
+def quantized_note(model: nn.Module, lc: LoraConfig, device: torch.device, sharded: bool) -> str | None:
+    """The run header's words on QLoRA: its backend and what the 4-bit base holds (on this rank, measured)."""
+    chosen = backend(lc, device, sharded)
+    if chosen is None:
+        return None
+    if chosen == "bitsandbytes":
+        return "QLoRA base linears in 4-bit NF4 (bitsandbytes)"
+    from shardlm.models import nf4
+
+    layers = sum(1 for p in model.parameters() if nf4.is_nf4(p))
+    held = nf4.base_bytes(model)
+    size = f"{held / 2**20:.1f} MiB" if held >= 2**20 else f"{held / 2**10:.1f} KiB"
+    return f"QLoRA base: {layers} linears in 4-bit NF4 (torchao), {size}" + (" on this rank" if sharded else "")
+
+
 def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> PreTrainedModel:
-    """QLoRA's frozen base (`lora.quantize=nf4`): the pretrained model loaded straight onto `device` with every
-    linear layer but the head in 4-bit NormalFloat with double quantization (bitsandbytes, the QLoRA paper's
-    recipe), dequantized per matmul to the compute dtype of parallel.precision; norms and embeddings stay fp32
-    (PEFT's prepare_model_for_kbit_training)."""
+    """QLoRA's frozen base (`lora.quantize=nf4`, lora.quant_backend=bitsandbytes): the pretrained model loaded
+    straight onto `device` with every linear layer but the head in 4-bit NormalFloat with double quantization
+    (bitsandbytes, the QLoRA paper's recipe), dequantized per matmul to the compute dtype of parallel.precision;
+    norms and embeddings stay fp32 (PEFT's prepare_model_for_kbit_training). torchao's is shardlm.models.nf4."""
     from peft import prepare_model_for_kbit_training
     from transformers import BitsAndBytesConfig
 
@@ -84,11 +127,18 @@ def quantized_base(cfg: Config, hf_cfg, device: torch.device) -> PreTrainedModel
 
 
 def _dequantized(state: dict, model: nn.Module) -> tuple[dict, set[str]]:
-    """`state` with each 4-bit base weight of a QLoRA `model` as a float (out, in) tensor and bitsandbytes'
-    quantization entries dropped, and the keys of those weights."""
+    """`state` with each 4-bit base weight of a QLoRA `model` (torchao's NF4 tensors, bitsandbytes' Linear4bit) as
+    a float (out, in) tensor and bitsandbytes' quantization entries dropped, and the keys of those weights."""
+    from shardlm.models import nf4
+
+    out = dict(state)
+    keys = {k for k, v in state.items() if nf4.is_nf4(v)}
+    for key in keys:
+        out[key] = nf4.dequantized(state[key])
+    if not any(k.endswith(".quant_map") for k in state):
+        return out, keys
     import bitsandbytes as bnb  # only called where a 4-bit layer exists, i.e. bitsandbytes is installed
 
-    out, keys = dict(state), set()
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             key = state_key(name) + ".weight"
@@ -243,9 +293,16 @@ def inference_state(state: dict, model: nn.Module, hf_config=None) -> dict:
     if not configs or not any(is_adapter_key(k) for k in state):
         return state
     pc = configs[ADAPTER]
-    state, four_bit = _dequantized(state, model) if any(k.endswith(".quant_map") for k in state) else (state, set())
+    state, four_bit = _dequantized(state, model) if quantized_state(state) else (state, set())
     merged = _merged(state, pc.lora_alpha / pc.r, transpose=pc.fan_in_fan_out)
     return _conv1d_layout(merged, four_bit, hf_config) if four_bit else merged
+
+
+def quantized_state(state: dict) -> bool:
+    """`state` holds 4-bit weights: bitsandbytes' (their quantization entries) or torchao's NF4 tensors."""
+    from shardlm.models.nf4 import is_nf4
+
+    return any(k.endswith(".quant_map") or is_nf4(v) for k, v in state.items())
 
 
 def _merged(state: dict, scale: float, transpose: bool) -> dict:

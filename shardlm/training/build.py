@@ -16,7 +16,7 @@ from shardlm.data import Split, prepare_data, prepare_prompts
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
-from shardlm.models import lora
+from shardlm.models import lora, nf4
 from shardlm.models.causal_lm import CausalLM, auto_loss_chunk
 from shardlm.models.hf_config import model_config
 from shardlm.models.instantiate import empty_model, initial_model
@@ -68,7 +68,10 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
     reference = _initial_hf(cfg, hf_cfg) if dist.is_main else None
     full = from_hf(reference.state_dict()) if reference is not None else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    four_bit = nf4.split_off(model, full)  # QLoRA (torchao): its 4-bit weights load apart, quantized whole on rank 0
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=not four_bit))
+    nf4.load_sharded(model, four_bit, dist)
     for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
         if not is_hf(name):  # shardlm's own (a router's statistics): they start at zero
             buf.zero_()
@@ -81,12 +84,18 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
 
 def _initial_hf(cfg: Config, hf_cfg, device: torch.device | None = None) -> nn.Module:
     """The starting HF model on CPU: pretrained or seeded random weights, plus LoRA adapters (seeded) if on.
-    QLoRA's 4-bit base is loaded straight onto `device` (bitsandbytes quantizes as it loads)."""
-    if lora.quantized(cfg.lora):
+    QLoRA: bitsandbytes' 4-bit base is loaded straight onto `device` (it quantizes as it loads); torchao's is
+    quantized here in one process, and by materialize (`device` None: FSDP2's reference) from full precision."""
+    backend = lora.backend(cfg.lora, device, sharded=device is None)
+    if backend == "bitsandbytes":
         assert device is not None
         hf = lora.quantized_base(cfg, hf_cfg, device)
     else:
         hf = initial_model(cfg, hf_cfg, cfg.train.seed)
+    if backend == "torchao" and device is None:
+        nf4.as_linears(hf)
+    elif backend == "torchao":
+        nf4.quantize(hf)
     return lora.apply(hf, cfg.lora, seed=cfg.train.seed) if lora.enabled(cfg.lora) else hf
 
 
@@ -96,12 +105,14 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
                             dist.device, compiled=pl.compile == "model", itemsize=pl.dtype.itemsize)
     if pl.use_fsdp:
         hf = empty_model(hf_cfg, "meta")
+        if lora.backend(cfg.lora, dist.device, sharded=True) == "torchao":  # 4-bit on meta; materialize fills them
+            nf4.quantize(hf, mesh=pl.mesh_shape)
         model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg.lora) else hf, chunk)
         parallelize(model, cfg, pl, dist)
         materialize(model, cfg, hf_cfg, dist)
     else:
         model = CausalLM(_initial_hf(cfg, hf_cfg, dist.device), chunk)
-        if dist.device.type != "xla" and not lora.quantized(cfg.lora):  # xla moves it itself; QLoRA's is there
+        if dist.device.type != "xla" and lora.backend(cfg.lora, dist.device) != "bitsandbytes":  # xla moves its own
             model.to(dist.device)
         parallelize(model, cfg, pl, dist)
     return model

@@ -58,7 +58,9 @@ def _params(run: Run) -> str:
                 + (f", {trainable:,} trainable" if trainable != total else ""))
     if trainable == total:
         return f"{total / 1e6:.2f}M parameters"
-    return f"{total / 1e6:.2f}M parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
+    qlora = lora.quantized_note(run.model, run.cfg.lora, run.dist.device, run.plan.use_fsdp)  # QLoRA's backend
+    return (f"{total / 1e6:.2f}M parameters, {trainable:,} trainable ({100 * trainable / total:.2f}%)"
+            + (f"; {qlora}" if qlora else ""))
 
 
 def _data_and_steps(run: Run, blocks: int, seq: int) -> str:
