@@ -48,9 +48,8 @@ def test_completion_logps_are_the_padded_references():
 
     from shardlm.models.attention import attention
     from shardlm.models.causal_lm import CausalLM, shares_prefix
-    from shardlm.rl.logps import completion_logps
+    from shardlm.rl.logps import completion_logps, micro_batch, shared_batch
     from shardlm.rl.sampling import Rollout
-    from shardlm.training.rl_step import micro_batch, shared_batch
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=40, n_positions=64, n_layer=2, n_embd=32, n_head=2, bos_token_id=39,
@@ -89,8 +88,8 @@ def test_the_padding_vocabulary_is_neither_sampled_nor_scored():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from shardlm.models.causal_lm import CausalLM
+    from shardlm.rl.logps import micro_batch
     from shardlm.rl.sampling import SamplingParams, TransformersSampler
-    from shardlm.training.rl_step import micro_batch
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=64, n_layer=1, n_embd=16, n_head=2,

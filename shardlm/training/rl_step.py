@@ -35,7 +35,7 @@ from shardlm.data.prompts import PromptRows, completion_for_rewards
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import shares_prefix
-from shardlm.models.loss import IGNORE
+from shardlm.rl.logps import micro_batch, shared_batch, shared_pays
 from shardlm.rl.objective import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
 from shardlm.rl.rewards import exact_match
 from shardlm.rl.rollout import ScoredRound, round_metrics, sampling_params, score_round
@@ -75,66 +75,6 @@ class Round:
     metrics: dict[str, float]
     used: int = 0  # steps trained on it so far
     texts: list[str] = field(default_factory=list)
-
-
-def micro_batch(prompts: list[list[int]], completions: list[list[int]], pad: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, positions, targets, lengths) of rows prompt + completion: completion token j is the target of the
-    position before it."""
-    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-    width, longest = max(map(len, rows)), max(map(len, completions))
-    tokens = torch.full((len(rows), width), pad, dtype=torch.long)
-    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    lengths = torch.zeros((len(rows), longest), dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
-        targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c)
-        lengths[i, :len(c)] = True
-    positions = torch.arange(width).expand(len(rows), width)
-    return tokens.to(device), positions.to(device), targets.to(device), lengths.to(device)
-
-
-def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: int, pad: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, positions, targets, lengths, mask): one row per prompt holding its `group` completions, the prompt's
-    tokens once. A segment per completion repeats the prompt's last token (whose output predicts the completion's
-    first token) at its own position, then the completion but its last token; the 4D boolean mask lets a segment see
-    the prompt and its own earlier tokens only. Each completion's log-probabilities are those of its own row
-    prompt + completion, at a fraction of the tokens when prompts are long beside their completions."""
-    rows = []
-    for p, prompt in enumerate(prompts):
-        tokens, positions, targets, segment = prompt[:-1], list(range(len(prompt) - 1)), [IGNORE] * (len(prompt) - 1), \
-            [-1] * (len(prompt) - 1)
-        for j in range(group):
-            c = completions[p * group + j]
-            tokens = tokens + [prompt[-1], *c[:-1]]
-            positions = positions + list(range(len(prompt) - 1, len(prompt) - 1 + len(c)))
-            targets, segment = targets + c, segment + [j] * len(c)
-        rows.append((tokens, positions, targets, segment))
-    width = max(len(r[0]) for r in rows)
-    t = torch.full((len(rows), width), pad, dtype=torch.long)
-    pos, tg = torch.zeros_like(t), torch.full_like(t, IGNORE)
-    seg = torch.full_like(t, -2)  # padding: a segment of its own
-    for i, (tokens, positions, targets, segment) in enumerate(rows):
-        n = len(tokens)
-        t[i, :n], pos[i, :n], tg[i, :n], seg[i, :n] = (torch.tensor(x) for x in (tokens, positions, targets, segment))
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    mask = causal & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == -1))  # (rows, query, key)
-    lengths = torch.zeros((len(completions), max(map(len, completions))), dtype=torch.bool)
-    for i, c in enumerate(completions):
-        lengths[i, :len(c)] = True
-    return t.to(device), pos.to(device), tg.to(device), lengths.to(device), mask[:, None].to(device)
-
-
-SHARED_MAX_WIDTH = 2048  # a shared row's dense mask takes SDPA off its flash kernels: O(width^2) attention memory
-
-
-def shared_pays(prompts: list[list[int]], completions: list[list[int]], group: int) -> bool:
-    """Whether rows that hold a prompt once (`shared_batch`) are worth their dense mask: fewer tokens than one padded
-    row per completion, and rows short enough for attention that materializes its scores."""
-    widths = [len(p) - 1 + sum(len(c) for c in completions[i * group:(i + 1) * group]) for i, p in enumerate(prompts)]
-    plain = len(completions) * max(len(prompts[i // group]) + len(c) for i, c in enumerate(completions))
-    return max(widths) <= SHARED_MAX_WIDTH and len(widths) * max(widths) < plain
 
 
 class RLStep:
