@@ -95,11 +95,13 @@ class EarlyStopping(Callback):
     (`--callback 'shardlm.callbacks:EarlyStopping(patience=3)'`). The run ends with a checkpoint, as after
     SIGTERM; validation metrics are global, so every rank stops at the same step."""
 
-    def __init__(self, patience: int = 3, min_delta: float = 0.0):
+    def __init__(self, patience: int = 3, min_delta: float = 0.0, metric: str | None = None):
+        """`metric`: the validation record watched; by default `loss`, or an online-RL run's `reward` (which
+        has no loss). Rewards and exact match improve upward, everything else downward."""
         if patience < 1:
             raise ValueError(f"patience must be >= 1, got {patience}")
-        self.patience, self.min_delta = patience, min_delta
-        self.best, self.waited = float("inf"), 0
+        self.patience, self.min_delta, self.metric = patience, min_delta, metric
+        self.best, self.waited = float("inf"), 0  # `best` is kept negated for a metric that improves upward
 
     def state_dict(self) -> dict[str, float]:
         return {"best": self.best, "waited": self.waited}
@@ -108,20 +110,32 @@ class EarlyStopping(Callback):
         self.best, self.waited = state["best"], int(state["waited"])
 
     def _reason(self) -> str:
-        return f"early stopping: val loss {self.best:.4f} not improved in {self.waited} evaluations"
+        name = self.metric or "loss"
+        best = -self.best if _upward(name) else self.best
+        return f"early stopping: val {name} {best:.4f} not improved in {self.waited} evaluations"
 
     def on_train_begin(self, trainer: Trainer) -> None:
         if self.waited >= self.patience:  # a rerun of a run this callback stopped: it stays stopped
             trainer.request_stop(self._reason())
 
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        if metrics["loss"] < self.best - self.min_delta:
-            self.best, self.waited = metrics["loss"], 0
+        if self.metric is None:
+            self.metric = "loss" if "loss" in metrics else "reward"
+        if self.metric not in metrics:
+            raise ValueError(f"EarlyStopping watches '{self.metric}', which this run's validation does not record "
+                             f"(it records {', '.join(sorted(metrics))}); pass metric=one of them")
+        value = -metrics[self.metric] if _upward(self.metric) else metrics[self.metric]
+        if value < self.best - self.min_delta:
+            self.best, self.waited = value, 0
             return
         self.waited += 1
         if self.waited >= self.patience:
             trainer.dist.print(self._reason())
             trainer.request_stop(self._reason())
+
+
+def _upward(metric: str) -> bool:
+    return "reward" in metric or "exact_match" in metric or "accuracy" in metric
 
 
 class Callbacks(Callback):

@@ -79,6 +79,10 @@ def test_early_stopping_waits_patience_evaluations_without_improvement():
     rerun.load_state_dict(json.loads(json.dumps(stopper.state_dict())))  # as trainer_state.json keeps it
     rerun.on_train_begin(Run)  # a rerun of the stopped run stays stopped
     assert len(stopped) == 2 and rerun.best == 2.5
+    rl = load("shardlm.callbacks:EarlyStopping(patience=1)")  # an online-RL run records a reward, no loss
+    for reward in (0.2, 0.3, 0.25):  # higher is better: only the fall stops it
+        rl.on_evaluate(Run, {"reward": reward, "exact_match": 0.1})
+    assert len(stopped) == 3 and "val reward 0.3000" in stopped[-1]
 
 
 def test_gen_every_records_generation_quality_during_training(corpus, cache_dir, tmp_path):
