@@ -10,7 +10,7 @@ import torch
 from faults import fault
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import by_step, shardlm_cli, tiny, train_in_process
+from helpers import by_step, fp32_tol, on_cuda, shardlm_cli, tiny, train_in_process
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.training.trainer import Trainer
@@ -83,6 +83,27 @@ def test_selective_and_offload_train_a_lora_llama_as_none(lora_bases, corpus, ca
     assert none[1] and all("lora_" in name for name in none[1])
     for mode in ("selective", "offload"):
         assert_same(one_step(corpus, cache_dir, tmp_path / mode, mode, **lora), none)
+
+
+@pytest.mark.cuda
+def test_offload_on_a_gpu_moves_the_activations_and_trains_as_none(corpus, cache_dir, tmp_path):
+    """Where there is a GPU (`pytest -m cuda`, gpu_check): the same loss and gradients, a lower peak on the device.
+    Wider than tiny(), so the activations weigh more than the allocator's slack."""
+    if not on_cuda():
+        pytest.skip("offload keeps activations in CPU memory: on a CPU run they are there already")
+    wide = {"model.n_embd": 256, "model.n_head": 4, "model.n_layer": 4, "train.batch_size": 16, "model.dropout": 0.0}
+    peaks = {}
+    for mode in ("none", "offload"):
+        torch.cuda.reset_peak_memory_stats()
+        got = one_step(corpus, cache_dir, tmp_path / mode, mode, **wide)
+        peaks[mode] = torch.cuda.max_memory_allocated()
+        if mode == "none":
+            none = got
+    loss, grads, _ = got
+    assert loss == pytest.approx(none[0], rel=fp32_tol(1e-6))
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, none[1][name], rtol=fp32_tol(1e-6), atol=1e-6, msg=name)
+    assert peaks["offload"] < 0.8 * peaks["none"], peaks
 
 
 @pytest.fixture(scope="module")
