@@ -9,6 +9,12 @@ With LoRA (`lora.r > 0`) the adapters are injected into the meta model: paramete
 gradients and AdamW state only the adapters, and the block's saved activations are measured with the frozen
 base (what autograd keeps differs: frozen weights need no inputs saved for their gradients). QLoRA
 (`lora.quantize=nf4`) holds the blocks' linear weights in 4 bits plus their quantization constants.
+
+Online RL (`train.objective` grpo, rloo) has a third phase, generation, between optimizer steps: the whole model
+gathered at once, the KV cache of the rank's completions of a round and the sampling step's logits (see
+`generation_bytes`); the peak is the largest of the three phases. Its micro-batches are rows as
+shardlm.training.rl_step packs them (`rl_rows`). With `grpo.beta > 0` and no LoRA the frozen reference is one more
+model, sharded as the policy.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ import torch
 
 from shardlm.config import Config
 from shardlm.config.checks import ac_mode, wrap_size
+from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.distributed.checkpointing import SelectiveSaved, checkpointed
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 from shardlm.distributed.wrapping import owned_params, size_units
 from shardlm.models import lora
-from shardlm.models.causal_lm import auto_loss_chunk, num_params, transformer_blocks
+from shardlm.models.causal_lm import SHARED_PREFIX_FAMILIES, auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
 from shardlm.models.instantiate import empty_model
 from shardlm.training.optim.optimizers import state_bytes_estimate
@@ -62,27 +69,13 @@ def _meta_model(cfg: Config, hf_cfg):
         lora.apply(model, cfg.lora)
     return model
 
-def torchao_nf4_bytes(blocks: torch.nn.ModuleList) -> float:
-    """What QLoRA's torchao backend holds of the blocks' linears (shardlm.models.nf4: its groups of scales
-    depend on each weight's size)."""
-    from shardlm.models.lora import linear_types
-    from shardlm.models.nf4 import bytes_per_weight
-
-    sizes = [m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
-             if issubclass(type(m), linear_types()) and ".lora_" not in f".{n}"]
-    return sum(n * bytes_per_weight(n) for n in sizes)
-
-
-def _device(cfg: Config) -> torch.device:
-    return torch.device("cuda" if cfg.parallel.device != "cpu" and torch.cuda.is_available() else "cpu")
-
-
 
 def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: Config | None = None,
-                                selective: bool = False) -> float:
+                                selective: bool = False, masked: bool = False) -> float:
     """Bytes autograd keeps per token for one block at `seq_len` (weights excluded), measured on a real block
     at 32 and 64 tokens: per token it is a + b * seq_len, b > 0 where attention keeps (T x T) probabilities
-    (eager attention, e.g. Gemma 2's soft-capped one)."""
+    (eager attention, e.g. Gemma 2's soft-capped one; any attention given an explicit 4D mask, `masked`: SDPA
+    then runs its math kernel, as online RL's rows that share a prompt do)."""
     meta = _meta_model(cfg, hf_cfg) if cfg is not None else empty_model(hf_cfg, "meta")
     block = transformer_blocks(meta)[0].to_empty(device="cpu")
     for p in block.parameters():
@@ -90,12 +83,13 @@ def block_saved_bytes_per_token(hf_cfg, dtype: torch.dtype, seq_len: int, cfg: C
             torch.nn.init.normal_(p, std=0.02)
     block.to(dtype).train()
     rotary = next((m for n, m in meta.named_modules() if n.endswith("rotary_emb")), None)
-    small, large = (_saved_bytes(block, rotary, hf_cfg, dtype, t, selective) / t for t in (32, 64))
+    small, large = (_saved_bytes(block, rotary, hf_cfg, dtype, t, selective, masked) / t for t in (32, 64))
     slope = max(0.0, (large - small) / 32)
     return small + slope * (seq_len - 32)
 
 
-def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tokens: int, selective: bool) -> float:
+def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tokens: int, selective: bool,
+                 masked: bool = False) -> float:
     """What autograd keeps of one block's forward; `selective`: what selective checkpointing keeps instead (its
     saved ops' outputs and the block's input)."""
     weights = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -116,6 +110,8 @@ def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tok
         with torch.no_grad():
             kwargs = {"position_embeddings": type(rotary)(config=hf_cfg)(x, positions, **layer_type),
                       "position_ids": positions}
+    if masked:
+        kwargs["attention_mask"] = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
     if selective:
         with SelectiveSaved() as kept:
             block(x, **kwargs)
@@ -142,20 +138,22 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     compute = DTYPES[p.precision]
     csize = torch.finfo(compute).bits // 8
     B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
+    shared = False  # online RL's rows holding a prompt's group of completions under a 4D mask
+    if cfg.train.objective in RL_OBJECTIVES:
+        B, T, shared = rl_rows(cfg, hf_cfg)
     on_device = 0.0 if p.cpu_offload else 1.0
     comp: dict[str, float] = {}
     four_bit = four_bit_params(blocks) if lora.quantized(cfg.lora) else 0
     comp["parameters (fp32, sharded)"] = 4 * (total - four_bit) / shard * on_device
-    if four_bit and lora.backend(cfg.lora, _device(cfg), use_fsdp) == "torchao":  # sharded like the rest
-        comp["base linears (4-bit NF4, torchao, sharded)"] = torchao_nf4_bytes(blocks) / shard * \
-            (on_device if shard > 1 else 1.0)  # a shard group of one rank holds them whole, on the device
-    elif four_bit:
+    if four_bit:
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
     label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
     comp[label if trainable == total else f"{label}; adapters"] = state * on_device
     if cfg.train.objective in ("dpo", "ipo") and cfg.preference.reference == "live" and not lora.enabled(cfg.lora):
         # a frozen copy of the initial model, built (and sharded) as the policy; with LoRA the base serves
         comp["live reference (frozen copy of the initial model)"] = 4 * (total - four_bit) / shard * on_device
+    if cfg.train.objective in RL_OBJECTIVES and cfg.grpo.beta > 0 and not lora.enabled(cfg.lora):
+        comp["reference for grpo.beta (initial model, frozen)"] = 4 * (total - four_bit) / shard * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
         held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
@@ -165,7 +163,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         comp["autocast weight copies"] = (total - four_bit) * csize  # 4-bit ones are dequantized per matmul
     # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
     # backward and the optimizer step (all gradients live, activations freed). The peak is the larger.
-    per_token = block_saved_bytes_per_token(hf_cfg, compute, T, cfg=cfg)
+    per_token = block_saved_bytes_per_token(hf_cfg, compute, T, cfg=cfg, masked=shared)
     tokens = B * T
     forward: dict[str, float] = {}
     host = activations(cfg, hf_cfg, len(blocks), per_token, tokens, compute, forward)
@@ -187,20 +185,27 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
     if transform and not compiled:  # soft-capping keeps its tanh output for the backward
         forward["loss: the transformed logits"] = tokens * V * csize
+    if cfg.train.objective in RL_OBJECTIVES and not full_logits:  # completion_logps' own chunks replace the loss's
+        head = meta.get_output_embeddings()
+        forward = {k: v for k, v in forward.items() if not k.startswith("loss")} | \
+            rl_loss_bytes(cfg, V, C, csize, head is not None and head.weight.requires_grad)
     grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
-    if sum(forward.values()) >= grads:
-        comp.update(forward)
-    else:
-        comp["gradients (fp32, sharded; peak at the optimizer step)"] = grads
+    phase = forward if sum(forward.values()) >= grads else \
+        {"gradients (fp32, sharded; peak at the optimizer step)": grads}
+    if cfg.train.objective in RL_OBJECTIVES:
+        in_step = comp.get("gathered parameters", 0.0)  # 0 where the local shards are the whole fp32 tensors
+        whole = (total - four_bit) * csize if in_step else 0.0
+        sampling = generation_bytes(cfg, hf_cfg, len(blocks), csize, max(0.0, whole - in_step))
+        phase = sampling if sum(sampling.values()) > sum(phase.values()) else phase
+    comp.update(phase)
     comp["batch and framework overhead"] = tokens * 8 * 2 + 16 * 2**20
     peak = sum(comp.values())
     return Estimate(total, comp, peak, host)
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
-    one = lora.quantized(cfg.lora) and cfg.lora.quant_backend == "bitsandbytes"  # auto: each world size its own
-    lines = ["QLoRA with bitsandbytes runs in one process on one GPU: estimated for 1 rank"] if one else []
-    for w in [1] if one else world_sizes:
+    lines = ["QLoRA runs in one process on one GPU: estimated for 1 rank"] if lora.quantized(cfg.lora) else []
+    for w in [1] if lora.quantized(cfg.lora) else world_sizes:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {cfg.parallel.activation_checkpointing}, "
@@ -220,14 +225,14 @@ def activations(cfg: Config, hf_cfg, n: int, per_token: float, tokens: int, comp
     boundary = hf_cfg.hidden_size * (torch.finfo(compute).bits // 8)  # a block's input, per token
     on_gpu = cfg.parallel.device != "cpu" and torch.cuda.is_available()
     if mode in ("full", "every"):
-        forward[f"activations ({wrapped} checkpointed, {n - wrapped} whole blocks)"] = \
+        forward[f"activations ({wrapped} block inputs, {n - wrapped} blocks whole, 1 recompute)"] = \
             tokens * (wrapped * boundary + (n - wrapped) * per_token + per_token)
     elif mode == "selective":
         kept = block_saved_bytes_per_token(hf_cfg, compute, cfg.data.seq_len, cfg=cfg, selective=True)
-        forward["activations (selective: matmul outputs kept)"] = \
+        forward["activations (selective: matmul/attention outputs, 1 recompute)"] = \
             tokens * (n * kept + per_token - kept)
     elif mode == "offload" and on_gpu:  # the block being computed and the one whose copy is in flight
-        forward["activations (offload: 2 blocks on the device)"] = tokens * 2 * per_token
+        forward["activations (offloaded: 2 blocks on the device)"] = tokens * 2 * per_token
         return {"offloaded activations (pinned)": tokens * n * per_token}
     else:
         forward["activations"] = tokens * n * per_token
@@ -247,3 +252,46 @@ def _held_by_units(cfg: Config, hf, reshard: bool) -> int:
 
 def _chunk_name(chunk: int | None) -> str:
     return "auto" if chunk is None else str(chunk or "off")
+
+
+def rl_rows(cfg: Config, hf_cfg) -> tuple[int, int, bool]:
+    """(rows, tokens per row, shared) of a grpo/rloo micro-batch as shardlm.training.rl_step packs it, at its
+    longest: for the SDPA families that share a prompt (`shares_prefix`) a row per prompt, the prompt once and
+    then its group's completions under a 4D mask (shared), so attention's (row x row) terms grow with group x
+    max_completion_length; else a row per completion of up to data.seq_len."""
+    g, batch, seq_len = cfg.grpo, cfg.train.batch_size, cfg.data.seq_len
+    sliding = getattr(hf_cfg, "use_sliding_window", False) and getattr(hf_cfg, "sliding_window", None)
+    if hf_cfg.model_type not in SHARED_PREFIX_FAMILIES or cfg.model.attention not in ("auto", "sdpa") or sliding:
+        return batch, seq_len, False
+    return batch // g.group, seq_len - g.max_completion_length - 1 + g.group * g.max_completion_length, True
+
+
+def rl_loss_bytes(cfg: Config, vocab: int, hidden: int, csize: int, head_trains: bool) -> dict[str, float]:
+    """Online RL's loss (CausalLM.completion_logps): the head on the completion tokens only, train.loss_chunk_size
+    (or 1024) of them at a time, whose fp32 logits, log-softmax and its exp for the recorded entropy are live
+    together (3.5 such (rows x vocab) tensors on average, measured on CPU: 3 to 4); the head's weight gradient
+    where it trains; the hidden states' gradient."""
+    targets = cfg.train.batch_size * cfg.grpo.max_completion_length
+    rows = min(cfg.train.loss_chunk_size or 1024, targets)
+    return {"loss: a chunk's fp32 logits, softmax, entropy": rows * vocab * 14
+            + (vocab * hidden * 4 if head_trains else 0) + targets * hidden * csize}
+
+
+def generation_bytes(cfg: Config, hf_cfg, layers: int, csize: int, unheld: float) -> dict[str, float]:
+    """Online RL's generation phase: each rank samples its completions of a round (train.batch_size x
+    train.grad_accum rows, shardlm.rl.sampling) with the model gathered whole once for the round (`unheld`: the
+    bytes beyond what a training step holds gathered); keys and values cached for every row up to data.seq_len
+    (prompt + grpo.max_completion_length: an upper bound, a prompt is usually shorter), plus one layer's keys
+    copied while the cache grows by a token; and a decode step's (rows x vocab) logits with the fp32 tensors
+    sampling makes of them (temperature, softmax, its cumulative sum; top-p sorts and scatters: 28 bytes more)."""
+    g, rows, T = cfg.grpo, cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len
+    heads = hf_cfg.num_attention_heads
+    kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads
+    per_layer = kv_heads * head_dim * T * rows * csize  # its keys, or its values
+    per_logit = csize + 12 + (4 if 0 < g.top_k < hf_cfg.vocab_size else 0) + (28 if g.top_p < 1 else 0)
+    out = {f"generation: KV cache ({rows} rows x {T} tokens)": (2.0 * layers + 1) * per_layer,
+           "generation: a decode step's logits (rows x vocab)": rows * hf_cfg.vocab_size * per_logit}
+    if unheld:
+        out["generation: the whole model gathered"] = unheld
+    return out
