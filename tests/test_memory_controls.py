@@ -85,6 +85,25 @@ def test_selective_and_offload_train_a_lora_llama_as_none(lora_bases, corpus, ca
         assert_same(one_step(corpus, cache_dir, tmp_path / mode, mode, **lora), none)
 
 
+def test_selective_trains_dpo_pairs_with_a_live_reference_as_none(corpus, cache_dir, tmp_path):
+    """Examples packed with their own positions, the pair's log-probabilities through sequence_logps, and a frozen
+    reference built without checkpointing: the losses of two steps equal none's."""
+    import json
+
+    chat = [{"role": "user", "content": "Reverse: ab"}, {"role": "assistant", "content": "ba"}]
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": [chat[0]], "chosen": [chat[1]], "rejected": [
+        {"role": "assistant", "content": f"a{i}"}]}) + "\n" for i in range(40)))
+    losses = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        trainer = Trainer.from_config(load_config(None, tiny(pairs, cache_dir, tmp_path / mode, **{
+            "model.chat_template": "chatml", "data.seq_len": 64, "train.objective": "dpo",
+            "preference.reference": "live", "parallel.activation_checkpointing": mode, "model.dropout": 0.1})))
+        losses[mode] = [trainer.train_step()["loss_sum"].item() for _ in range(2)]
+    assert losses["selective"] == pytest.approx(losses["none"], rel=1e-6)
+
+
 @pytest.mark.cuda
 def test_offload_on_a_gpu_moves_the_activations_and_trains_as_none(corpus, cache_dir, tmp_path):
     """Where there is a GPU (`pytest -m cuda`, gpu_check): the same loss and gradients, a lower peak on the device.
