@@ -291,7 +291,7 @@ def generation_bytes(cfg: Config, hf_cfg, layers: int, csize: int, unheld: float
     per_layer = kv_heads * head_dim * T * rows * csize  # its keys, or its values
     per_logit = csize + 12 + (4 if 0 < g.top_k < hf_cfg.vocab_size else 0) + (28 if g.top_p < 1 else 0)
     out = {f"generation: KV cache ({rows} rows x {T} tokens)": (2.0 * layers + 1) * per_layer,
-           "generation: a decode step's logits (rows x vocab)": rows * hf_cfg.vocab_size * per_logit}
+           "generation: decode step logits (rows x vocab)": rows * hf_cfg.vocab_size * per_logit}
     if unheld:
         out["generation: the whole model gathered"] = unheld
     return out
