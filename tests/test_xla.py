@@ -129,6 +129,7 @@ def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
                                                          "XLA.*=full \\(or every:N\\)"),
     (["parallel.wrap=size:1M"], 1, "wrap=size:1M is not supported on XLA.*parallel.wrap=block"),
     ([], 2, "with 2 launched processes.*without a launcher"),
+    (["train.objective=grpo", "data.seq_len=1024"], 1, "objective=grpo is not supported on XLA yet.*cuda/cpu"),
 ])
 def test_what_xla_cannot_do_is_refused_before_any_work(overrides, world, message):
     with pytest.raises(ShardlmError, match=message):  # config values only: no torch_xla needed
