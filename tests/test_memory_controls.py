@@ -229,3 +229,9 @@ def test_a_size_that_forms_no_unit_is_refused_in_one_line(corpus, cache_dir, tmp
         "(the largest, 'transformer.h.0', holds 12,704), so all would stay in the root. Set N <= 12,704, or "
         "parallel.wrap=block (each block a unit).")
     assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as e:  # a size that forms units: the dry run names them as the run will
+        main(["train", *tiny(corpus, cache_dir, tmp_path / "run", **{
+            "parallel.fsdp": True, "parallel.wrap": "size:4000", "parallel.activation_checkpointing": "every:2"}),
+              "--dry-run"])
+    assert e.value.code == 0 and ("memory: activation checkpointing every:2 (1 of 2 blocks); 6 FSDP2 units of "
+                                  "parallel.wrap=size:4000 and the root") in capsys.readouterr().out

@@ -229,12 +229,16 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
     return model
 
 
-def check_model(hf: nn.Module, cfg: Config, pl: Plan) -> None:
+def check_model(hf: nn.Module, cfg: Config, pl: Plan) -> str | None:
     """The memory settings against the model (the run's and its dry run's, on a meta model): every:N within its
-    blocks, and size:N forming at least one unit where FSDP2 shards."""
-    checkpointing.check(cfg.parallel.activation_checkpointing, len(transformer_blocks(hf)))
-    if pl.use_fsdp and wrap_size(cfg.parallel.wrap):
-        wrapping.check_size(hf, wrap_size(cfg.parallel.wrap), pl.compile != "false", cfg.parallel.wrap)
+    blocks, and size:N forming at least one unit where FSDP2 shards. What they will do, in a line (the dry run's)."""
+    p, n_blocks = cfg.parallel, len(transformer_blocks(hf))
+    checkpointing.check(p.activation_checkpointing, n_blocks)
+    said = [checkpointing.describe(p.activation_checkpointing, n_blocks) or ""]
+    if pl.use_fsdp and wrap_size(p.wrap):
+        units = wrapping.check_size(hf, wrap_size(p.wrap), pl.compile != "false", p.wrap)
+        said.append(f"{len(units)} FSDP2 units of parallel.wrap={p.wrap} and the root")
+    return "memory: " + "; ".join(filter(None, said)) if any(said) else None
 
 
 def cast_hidden_states(dtype: torch.dtype):

@@ -103,12 +103,12 @@ def _model(cfg: Config, pl: Plan) -> tuple[object | None, object | None, list[st
     model = empty_model(hf_cfg, "meta")
     if lora.enabled(cfg.lora):
         lora.apply(model, cfg.lora)
-    check_model(model, cfg, pl)  # activation checkpointing's every:N and parallel.wrap's size:N against the model
+    memory = check_model(model, cfg, pl)  # activation checkpointing's every:N and parallel.wrap's size:N
     n, trainable = num_params(model), num_params(model, trainable_only=True)
     what = cfg.model.name or f"from scratch ({hf_cfg.model_type})"
     adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg.lora) else ""
     return tokenizer, hf_cfg, [f"model: {what}, {n / 1e6:.2f}M parameters{adapters}; tokenizer "
-                               f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens"]
+                               f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens", *filter(None, [memory])]
 
 
 def _resume_lines(cfg: Config, hf_cfg, path: Path | None) -> tuple[list[str], int | None]:
