@@ -180,19 +180,24 @@ class _TargetLogps(torch.autograd.Function):
     d logp / d z = onehot(target) - softmax(z), times the temperature's scale."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, chunk):
+    def forward(ctx, hidden, weight, bias, targets, scale, chunk, with_entropy):
         w = weight.to(hidden.dtype)
         b = None if bias is None else bias.to(hidden.dtype)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(hidden.shape[0] if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             z = F.linear(hidden[s:s + chunk], w, b).float() * scale
-            out[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - z.logsumexp(-1)
+            lse = z.logsumexp(-1)
+            out[s:s + chunk] = z.gather(1, targets[s:s + chunk, None]).squeeze(1) - lse
+            if with_entropy:  # H = lse - sum p z, from the logits at hand: one more chunk-sized tensor, no matmul
+                entropy[s:s + chunk] = lse - (z - lse[:, None]).exp_().mul_(z).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.scale, ctx.chunk = scale, chunk
-        return out
+        ctx.mark_non_differentiable(entropy)  # a statistic
+        return out, entropy
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
         w = weight.to(hidden.dtype)
         b = None if bias is None else bias.to(hidden.dtype)
@@ -214,7 +219,7 @@ class _TargetLogps(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += dz.sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
 SHARED_PREFIX_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "gpt_neox")
@@ -233,20 +238,9 @@ def target_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                  scale: float = 1.0, chunk: int = 1024, with_entropy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log softmax(scale x (hidden W^T + b)) at `targets`, each row's entropy or None): fp32, one chunk's logits at
-    a time. The entropy is a statistic (no gradient), computed under no_grad."""
-    logps = _TargetLogps.apply(hidden, weight, bias, targets, scale, max(1, chunk))
-    if not with_entropy:
-        return logps, None
-    with torch.no_grad():
-        w = weight.to(hidden.dtype)
-        b = None if bias is None else bias.to(hidden.dtype)
-        parts = []
-        for s in range(0, hidden.shape[0], chunk):
-            z = F.linear(hidden[s:s + chunk], w, b).float() * scale
-            lp = z.log_softmax(-1)
-            parts.append(-(lp.exp() * lp).sum(-1))
-        entropy = torch.cat(parts) if parts else torch.zeros(0, device=hidden.device)
-    return logps, entropy
+    a time. The entropy is a statistic (no gradient), taken from the same chunk's logits."""
+    logps, entropy = _TargetLogps.apply(hidden, weight, bias, targets, scale, max(1, chunk), with_entropy)
+    return logps, (entropy if with_entropy else None)
 
 
 FORWARDS = ("sequence_logps", "completion_logps")  # CausalLM's forwards besides `forward` (FSDP2 registers them)
