@@ -171,12 +171,14 @@ UNITS = ("FSDP2 units (parallel.wrap=size:4000): 7, each gathering its parameter
 
 def size_args(corpus, cache_dir, out, **extra):
     return tiny(corpus, cache_dir, out, **{"parallel.wrap": f"size:{SIZE}", "train.batch_size": 4,
-                                           "parallel.activation_checkpointing": "full", "checkpoint.every": 5, **extra})
+                                           "checkpoint.every": 5, "parallel.activation_checkpointing": "selective",
+                                           **extra})
 
 
 def test_size_wrap_two_ranks_resumed_equal_one_process(corpus, cache_dir, tmp_path):
-    """Units inside checkpointed blocks (gathered again for the recompute); the tied embedding and head stay one
-    parameter, in the root. Killed after the step-5 save and resumed, 2 ranks give one process's 10 losses."""
+    """Units inside selectively checkpointed blocks (gathered again for their recompute); the tied embedding and
+    head stay one parameter, in the root. Killed after the step-5 save and resumed, 2 ranks give one process's 10
+    losses."""
     import torch.distributed.checkpoint as dcp
 
     train_in_process(size_args(corpus, cache_dir, tmp_path / "one", **{"train.batch_size": 8}))
