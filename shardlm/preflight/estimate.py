@@ -268,12 +268,12 @@ def rl_rows(cfg: Config, hf_cfg) -> tuple[int, int, bool]:
 
 def rl_loss_bytes(cfg: Config, vocab: int, hidden: int, csize: int, head_trains: bool) -> dict[str, float]:
     """Online RL's loss (CausalLM.completion_logps): the head on the completion tokens only, train.loss_chunk_size
-    (or 1024) of them at a time, whose fp32 logits, log-softmax and its exp for the recorded entropy are live
-    together (3.5 such (rows x vocab) tensors on average, measured on CPU: 3 to 4); the head's weight gradient
-    where it trains; the hidden states' gradient."""
+    (or 1024) of them at a time, whose fp32 logits and one more (rows x vocab) fp32 tensor are live together (the
+    entropy's exp in forward, the softmax in backward); the head's weight gradient where it trains; the hidden
+    states' gradient."""
     targets = cfg.train.batch_size * cfg.grpo.max_completion_length
     rows = min(cfg.train.loss_chunk_size or 1024, targets)
-    return {"loss: a chunk's fp32 logits, softmax, entropy": rows * vocab * 14
+    return {"loss: a chunk's fp32 logits, softmax, entropy": rows * vocab * 8
             + (vocab * hidden * 4 if head_trains else 0) + targets * hidden * csize}
 
 
