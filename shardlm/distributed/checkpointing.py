@@ -7,8 +7,8 @@
   kernels and recomputes the rest in backward (norms, activations, dropout, residual adds, the attention's
   softmax where it is not fused): most of full's saving of the cheap-to-recompute tensors for few of its flops.
 - `offload`: nothing is recomputed; the tensors a block saves for backward go to pinned CPU memory as they are
-  made and come back for its backward (torch.autograd.graph.save_on_cpu's hooks, minus the parameters, which
-  FSDP2 gathers again anyway). On a CPU run they are in CPU memory already: it trains as `none`.
+  made and come back for its backward (torch.autograd.graph.save_on_cpu's hooks, minus the weights and their
+  views, which FSDP2 gathers again anyway). On a CPU run they are in CPU memory already: it trains as `none`.
 """
 
 from __future__ import annotations
@@ -106,15 +106,18 @@ class OffloadWrapper(ActivationWrapper):
 
     @torch.compiler.disable(recursive=False)  # the hooks run eagerly; a whole-model compile still compiles the block
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with torch.autograd.graph.saved_tensors_hooks(_to_cpu, _back):
+        # the weights as this forward sees them (FSDP2's gathered ones by now): saved as they are, or as views
+        # (a linear saves its weight transposed), they are not activations
+        weights = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_to_cpu, weights), _back):
             return self._checkpoint_wrapped_module(*args, **kwargs)
 
 
-def _to_cpu(tensor: torch.Tensor) -> Any:
-    """Pack: a device tensor into pinned CPU memory (the copy queued on the stream, as save_on_cpu's). Parameters
-    stay: they are the weights themselves (FSDP2's gathered ones are freed and gathered again for backward)."""
-    if tensor.device.type == "cpu" or isinstance(tensor, nn.Parameter) or \
-            tensor.numel() * tensor.element_size() < OFFLOAD_MIN_BYTES:
+def _to_cpu(weights: set[int], tensor: torch.Tensor) -> Any:
+    """Pack: a device tensor into pinned CPU memory (the copy queued on the stream, as save_on_cpu's). The weights
+    stay: they are there anyway (FSDP2's gathered ones are freed and gathered again for backward)."""
+    if tensor.device.type == "cpu" or tensor.numel() * tensor.element_size() < OFFLOAD_MIN_BYTES or \
+            tensor.untyped_storage().data_ptr() in weights:
         return tensor
     packed = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
     packed.copy_(tensor, non_blocking=True)
