@@ -352,6 +352,8 @@ def test_the_stored_references_key_names_what_computes_its_scores(tmp_path):
     plain = key()
     assert key("lora.r=8") == plain  # a LoRA run's reference is its base
     assert key("lora.r=8", "lora.quantize=nf4") != plain
+    assert key("lora.r=8", "lora.quantize=nf4", "lora.quant_backend=torchao") != \
+        key("lora.r=8", "lora.quantize=nf4", "lora.quant_backend=bitsandbytes")  # other 4-bit values, other scores
     assert key("parallel.precision=bf16") != plain and key("data.seq_len=64") != plain
     assert key("train.lr=1e-3") == plain
 

@@ -245,8 +245,10 @@ def reference_key(run) -> str:
     a shorter seq_len scores other sequences). Keys written before the quantization counted stay the same."""
     m, d = run.cfg.model, run.cfg.data
     parts = [_initial_identity(run), m.name, run.cfg.parallel.precision, d.seq_len, d.truncation]
-    if lora.quantized(run.cfg.lora):
-        parts.append({"quantize": run.cfg.lora.quantize})
+    if lora.quantized(run.cfg.lora):  # torchao's NF4 scores other values than bitsandbytes' (keys of the latter kept)
+        dist, plan = getattr(run, "dist", None), getattr(run, "plan", None)  # a Run, or a test's stand-in
+        backend = lora.backend(run.cfg.lora, getattr(dist, "device", None), getattr(plan, "use_fsdp", False))
+        parts.append({"quantize": run.cfg.lora.quantize, **({"backend": backend} if backend == "torchao" else {})})
     blob = json.dumps(parts, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
