@@ -310,6 +310,11 @@ def test_qlora_torchao_refuses_weights_it_cannot_hold(case, corpus, cache_dir, t
                                                "lora.quantize=null") as err:
             train_in_process(args)
         assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
+        from shardlm.preflight.dryrun import dry_run  # `train --dry-run` refuses it with the same line
+
+        with pytest.raises(ShardlmError) as dry:
+            dry_run(load_config(None, args), 1)
+        assert str(dry.value) == str(err.value)
     else:  # what build_model checks on the meta model before FSDP2 shards it over the plan's mesh (2 ranks here)
         cfg = load_config(None, args)
         hf = empty_model(model_config(cfg, model_tokenizer(cfg.model)), "meta")

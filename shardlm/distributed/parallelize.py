@@ -234,6 +234,8 @@ def check_model(hf: nn.Module, cfg: Config, pl: Plan) -> str | None:
     blocks, and size:N forming at least one unit where FSDP2 shards. What they will do, in a line (the dry run's)."""
     p, n_blocks = cfg.parallel, len(transformer_blocks(hf))
     checkpointing.check(p.activation_checkpointing, n_blocks)
+    if lora.backend(cfg.lora, None, pl.use_fsdp) == "torchao":  # QLoRA's 4-bit weights: blocks of 64, even shards
+        nf4.check(nf4.block_linears(hf), pl.mesh_shape if pl.use_fsdp else ())
     said = [checkpointing.describe(p.activation_checkpointing, n_blocks) or ""]
     if pl.use_fsdp and wrap_size(p.wrap):
         units = wrapping.check_size(hf, wrap_size(p.wrap), pl.compile != "false", p.wrap)

@@ -69,7 +69,8 @@ def scaler_block(numel: int) -> int:
 
 
 def block_linears(hf_model: nn.Module) -> dict[str, nn.Module]:
-    """The Linear / Conv1D layers of the blocks, by their name in `hf_model` (before any adapter is injected)."""
+    """The Linear / Conv1D layers of the blocks by their name in `hf_model`; with adapters injected, the layers
+    under them (PEFT's `base_layer`) and not the adapters' own."""
     from transformers.pytorch_utils import Conv1D
 
     blocks = {id(b) for b in transformer_blocks(hf_model)}
@@ -77,7 +78,7 @@ def block_linears(hf_model: nn.Module) -> dict[str, nn.Module]:
     for name, module in hf_model.named_modules():
         if id(module) in blocks:
             out.update({f"{name}.{n}": m for n, m in module.named_modules()
-                        if isinstance(m, (nn.Linear, Conv1D)) and n})
+                        if isinstance(m, (nn.Linear, Conv1D)) and n and ".lora_" not in f".{n}"})
     return out
 
 
@@ -88,8 +89,8 @@ def check(linears: dict[str, nn.Module], mesh: tuple[int, ...] = ()) -> None:
 
     shards = mesh[-1] if mesh else 1
 
-    sizes = {n: (m.nf, m.nx) if isinstance(m, Conv1D) else tuple(m.get_parameter("weight").shape)
-             for n, m in linears.items()}
+    sizes = {n.replace(".base_layer", ""): (m.nf, m.nx) if isinstance(m, Conv1D) else
+             tuple(m.get_parameter("weight").shape) for n, m in linears.items()}
     for name, (rows, cols) in sizes.items():
         if (rows * cols) % BLOCK:
             raise ShardlmError(f"lora.quantize=nf4 ({NEEDS}) holds weights in blocks of {BLOCK}, but {name} has "
