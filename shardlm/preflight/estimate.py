@@ -63,6 +63,21 @@ def four_bit_params(blocks: torch.nn.ModuleList) -> int:
                if issubclass(type(m), linear_types()) and ".lora_" not in f".{n}")
 
 
+def torchao_nf4_bytes(blocks: torch.nn.ModuleList) -> float:
+    """What QLoRA's torchao backend holds of the blocks' linears (shardlm.models.nf4: its groups of scales
+    depend on each weight's size)."""
+    from shardlm.models.lora import linear_types
+    from shardlm.models.nf4 import bytes_per_weight
+
+    sizes = [m.get_parameter("weight").numel() for block in blocks for n, m in block.named_modules()
+             if issubclass(type(m), linear_types()) and ".lora_" not in f".{n}"]
+    return sum(n * bytes_per_weight(n) for n in sizes)
+
+
+def _device(cfg: Config) -> torch.device:
+    return torch.device("cuda" if cfg.parallel.device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
 def _meta_model(cfg: Config, hf_cfg):
     model = empty_model(hf_cfg, "meta")
     if lora.enabled(cfg.lora):
@@ -145,7 +160,10 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     comp: dict[str, float] = {}
     four_bit = four_bit_params(blocks) if lora.quantized(cfg.lora) else 0
     comp["parameters (fp32, sharded)"] = 4 * (total - four_bit) / shard * on_device
-    if four_bit:
+    if four_bit and lora.backend(cfg.lora, _device(cfg), use_fsdp) == "torchao":  # sharded like the rest
+        comp["base linears (4-bit NF4, torchao, sharded)"] = torchao_nf4_bytes(blocks) / shard * \
+            (on_device if shard > 1 else 1.0)  # a shard group of one rank holds them whole, on the device
+    elif four_bit:
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
     label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
     comp[label if trainable == total else f"{label}; adapters"] = state * on_device
@@ -204,8 +222,9 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
-    lines = ["QLoRA runs in one process on one GPU: estimated for 1 rank"] if lora.quantized(cfg.lora) else []
-    for w in [1] if lora.quantized(cfg.lora) else world_sizes:
+    one = lora.quantized(cfg.lora) and cfg.lora.quant_backend == "bitsandbytes"  # auto: each world size its own
+    lines = ["QLoRA with bitsandbytes runs in one process on one GPU: estimated for 1 rank"] if one else []
+    for w in [1] if one else world_sizes:
         est = estimate(cfg, tokenizer, w)
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {cfg.parallel.activation_checkpointing}, "
