@@ -244,14 +244,14 @@ def activations(cfg: Config, hf_cfg, n: int, per_token: float, tokens: int, comp
     boundary = hf_cfg.hidden_size * (torch.finfo(compute).bits // 8)  # a block's input, per token
     on_gpu = cfg.parallel.device != "cpu" and torch.cuda.is_available()
     if mode in ("full", "every"):
-        forward[f"activations ({wrapped} block inputs, {n - wrapped} blocks whole, 1 recompute)"] = \
+        forward[f"activations ({wrapped} checkpointed, {n - wrapped} whole blocks)"] = \
             tokens * (wrapped * boundary + (n - wrapped) * per_token + per_token)
     elif mode == "selective":
         kept = block_saved_bytes_per_token(hf_cfg, compute, cfg.data.seq_len, cfg=cfg, selective=True)
-        forward["activations (selective: matmul/attention outputs, 1 recompute)"] = \
+        forward["activations (selective: matmul outputs kept)"] = \
             tokens * (n * kept + per_token - kept)
     elif mode == "offload" and on_gpu:  # the block being computed and the one whose copy is in flight
-        forward["activations (offloaded: 2 blocks on the device)"] = tokens * 2 * per_token
+        forward["activations (offload: 2 blocks on the device)"] = tokens * 2 * per_token
         return {"offloaded activations (pinned)": tokens * n * per_token}
     else:
         forward["activations"] = tokens * n * per_token

@@ -77,7 +77,7 @@ def _data_and_steps(run: Run, blocks: int, seq: int) -> str:
 
 def run_header(run: Run) -> str:
     """Three lines: where and how the run trains, the model and data, the steps and batch; a fourth names the
-    fine-tuning defaults in effect (a pretrained model.name)."""
+    fine-tuning defaults in effect (a pretrained model.name), and under FSDP2 one more its units."""
     cfg, d, pl = run.cfg, run.dist, run.plan
     if pl.use_fsdp:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
