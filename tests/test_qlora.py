@@ -47,7 +47,6 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(lora_base
     resumes bit for bit, and the export is a plain model."""
     bnb = bnb_portable_cpu_path
     from shardlm.config import load_config
-    from shardlm.distributed.full_state import gather_hf_model
     from shardlm.models import lora
     from shardlm.training.trainer import Trainer
 
@@ -63,14 +62,7 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_for_inference(lora_base
     full_precision = records(lora_runs["gpt2"])[0]["loss"]
     assert first != full_precision and first == pytest.approx(full_precision, rel=0.02)
 
-    trainer.model.eval()
-    tokens = trainer.run.train.get(torch.arange(4).numpy())
-    with torch.no_grad():
-        own, _ = trainer.model(tokens[:, :-1], tokens[:, 1:])
-        hf = gather_hf_model(trainer.model, trainer.run.hf_config, trainer.dist)
-        logits = hf(tokens[:, :-1]).logits
-    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
-    assert plain.item() == pytest.approx(own.item(), rel=1e-4)
+    _gathered_model_scores_the_loss(trainer, rel=1e-4)
 
     # a QLoRA checkpoint resumes bit for bit and exports merged into the full-precision base
     from shardlm.inference.export import export
@@ -186,7 +178,6 @@ def test_qlora_torchao_holds_a_4bit_base_counted_by_estimate_and_merges_for_infe
     `shardlm estimate` counts the bytes the 4-bit base holds, the header names the backend, and the weights
     gathered for inference (dequantized, merged, Conv1D's layout restored) give the model's own loss."""
     from shardlm.config import load_config
-    from shardlm.distributed.full_state import gather_hf_model
     from shardlm.models import lora, nf4
     from shardlm.preflight.estimate import estimate
     from shardlm.tokenizer import model_tokenizer
@@ -210,15 +201,8 @@ def test_qlora_torchao_holds_a_4bit_base_counted_by_estimate_and_merges_for_infe
     full_precision = records(lora_runs["gpt2"])[0]["loss"]
     assert first != full_precision and first == pytest.approx(full_precision, rel=0.02)
 
-    trainer.model.eval()
-    tokens = trainer.run.train.get(torch.arange(4).numpy())
-    with torch.no_grad():
-        own, _ = trainer.model(tokens[:, :-1], tokens[:, 1:])
-        hf = gather_hf_model(trainer.model, trainer.run.hf_config, trainer.dist)
-        logits = hf(tokens[:, :-1]).logits
-    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    hf = _gathered_model_scores_the_loss(trainer, rel=1e-5)
     assert type(hf.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
-    assert plain.item() == pytest.approx(own.item(), rel=1e-5)
 
 
 def _dequantized_base(base, out):
@@ -341,3 +325,17 @@ def test_qlora_backend_key_and_a_torchao_that_does_not_import_are_refused(lora_b
     with pytest.raises(ShardlmError, match=r"needs torchao, which does not import here \(ModuleNotFoundError.*"
                                            "pip install 'torchao>=0.17'.*lora.quant_backend=bitsandbytes"):
         lora.check(cfg.lora, torch.device("cpu"), sharded=True)
+
+
+def _gathered_model_scores_the_loss(trainer, rel: float):
+    """The QLoRA model gathered for inference gives the trained model's own loss (to `rel`); returns it."""
+    from shardlm.distributed.full_state import gather_hf_model
+    trainer.model.eval()
+    tokens = trainer.run.train.get(torch.arange(4).numpy())
+    with torch.no_grad():
+        own, _ = trainer.model(tokens[:, :-1], tokens[:, 1:])
+        hf = gather_hf_model(trainer.model, trainer.run.hf_config, trainer.dist)
+        logits = hf(tokens[:, :-1]).logits
+    plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum")
+    assert plain.item() == pytest.approx(own.item(), rel=rel)
+    return hf
