@@ -22,6 +22,7 @@ from shardlm.config.schema import (
     CheckpointConfig,
     Config,
     DataConfig,
+    DistillConfig,
     GrpoConfig,
     LogConfig,
     LoraConfig,
@@ -33,8 +34,8 @@ from shardlm.config.schema import (
 )
 from shardlm.config.suggest import nearest
 
-__all__ = ["BUNDLED_CONFIGS", "KEY_ALIASES", "CheckpointConfig", "Config", "DataConfig", "GrpoConfig", "LogConfig",
-           "LoraConfig", "ModelConfig", "ParallelConfig", "PreferenceConfig", "TrainConfig", "all_keys", "build_config",
-           "bundled_configs",
+__all__ = ["BUNDLED_CONFIGS", "KEY_ALIASES", "CheckpointConfig", "Config", "DataConfig", "DistillConfig", "GrpoConfig",
+           "LogConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "PreferenceConfig", "TrainConfig", "all_keys",
+           "build_config", "bundled_configs",
            "config_from_dict", "config_path", "config_summary", "load_config", "nearest", "parse_overrides",
            "save_config", "split_args", "task_defaults_note", "to_dict", "to_flat_dict"]

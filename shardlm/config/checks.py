@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from shardlm import ShardlmError
+from shardlm.config.distill import check_distill
 from shardlm.config.grpo import RL_OBJECTIVES, check_grpo
 from shardlm.config.schema import (
     AC_MODES,
@@ -23,6 +24,8 @@ from shardlm.config.schema import (
     Config,
 )
 from shardlm.config.suggest import nearest
+
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", *RL_OBJECTIVES, "distill")
 
 
 def choice_key(name: str) -> str:
@@ -60,7 +63,7 @@ def validate(cfg: Config) -> None:
         ("data.truncation", cfg.data.truncation, TRUNCATIONS),
         ("data.on_bad_example", cfg.data.on_bad_example, ON_BAD_EXAMPLE),
         ("data.answer_end", cfg.data.answer_end, ANSWER_ENDS),
-        ("train.objective", cfg.train.objective, ("sft", "dpo", "ipo", "simpo", "orpo", *RL_OBJECTIVES)),
+        ("train.objective", cfg.train.objective, OBJECTIVES),
         ("preference.reference", cfg.preference.reference, ("precomputed", "live")),
     ):
         if value not in choices:
@@ -104,6 +107,8 @@ def validate(cfg: Config) -> None:
     wrap_size(cfg.parallel.wrap)
     if t.objective in RL_OBJECTIVES:
         _check_rl(cfg)
+    if t.objective == "distill":
+        check_distill(cfg)
     m = cfg.model
     if m.attention not in ATTENTION_CHOICES:
         raise ShardlmError(f"model.attention={m.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}."

@@ -109,7 +109,7 @@ class TrainConfig:
     sample_prompt: str = "\n"  # prompt of that sample
     gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
     gen_samples: int = 32  # held-out prompts sampled for those metrics
-    objective: str = "sft"  # sft (next-token loss) | dpo | ipo | simpo | orpo (preference pairs, section preference)
+    objective: str = "sft"  # sft (next-token) | dpo | ipo | simpo | orpo (preference pairs) | grpo | rloo | distill
     optimizer: str = "adamw"  # adamw | muon | adamw8bit | adafactor | schedule_free_adamw | sgd (HF's names too)
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's other arguments (docs/optimizers.md)
     muon_lr: float | None = None  # muon: peak learning rate of the block matrices; None = train.lr
@@ -150,6 +150,18 @@ class GrpoConfig:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length are left out of the loss
     format_pattern: str | None = None  # reward `format`: a regex the whole trimmed completion must match
     length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
+
+@dataclass
+class DistillConfig:
+    teacher: str | None = None  # objective distill: HF folder, hub name, shardlm run folder or export (same tokenizer)
+    beta: float = 0.5  # GKD's generalized JSD: 0 = forward KL(teacher||student), 1 = reverse KL, between = JSD
+    temperature: float = 1.0  # softmax temperature of both distributions in the loss (TRL's temperature)
+    alpha: float = 1.0  # loss = alpha x distillation + (1 - alpha) x next-token loss; 1 = distillation alone
+    teacher_topk: int = 0  # 0 = the live teacher each step; K > 0 = the teacher's top-K log-probs, stored once
+    on_policy: float = 0.0  # GKD's lmbda: the share of steps trained on the student's own completions
+    max_new_tokens: int = 128  # on-policy completions' length cap (tokens)
+    sample_temperature: float = 1.0  # on-policy sampling temperature of the student's completions
+
 
 
 @dataclass
@@ -199,6 +211,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     grpo: GrpoConfig = field(default_factory=GrpoConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
