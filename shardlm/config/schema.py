@@ -151,6 +151,7 @@ class GrpoConfig:
     format_pattern: str | None = None  # reward `format`: a regex the whole trimmed completion must match
     length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
 
+
 @dataclass
 class DistillConfig:
     teacher: str | None = None  # objective distill: HF folder, hub name, shardlm run folder or export (same tokenizer)
@@ -161,7 +162,6 @@ class DistillConfig:
     on_policy: float = 0.0  # GKD's lmbda: the share of steps trained on the student's own completions
     max_new_tokens: int = 128  # on-policy completions' length cap (tokens)
     sample_temperature: float = 1.0  # on-policy sampling temperature of the student's completions
-
 
 
 @dataclass
