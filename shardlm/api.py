@@ -79,7 +79,7 @@ class Model:
 
 def load(path: str | Path, device: str = "cpu") -> Model:
     """A checkpoint (`RUN/checkpoints/step_N`), a run dir (its newest checkpoint) or an exported folder."""
-    from shardlm.inference.load import load_for_inference
+    from shardlm.checkpoint.load import load_for_inference
 
     hf, tokenizer, run_config, _ = load_for_inference(path, device)
     return Model(hf.eval(), tokenizer, run_config, Path(path))

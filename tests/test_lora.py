@@ -79,9 +79,9 @@ def test_lora_exports_generate_and_eval_agree(lora_bases, lora_runs, family, cor
     from transformers import AutoModelForCausalLM, pipeline
 
     from helpers import generate_from_path
+    from shardlm.checkpoint.load import load_for_inference
     from shardlm.inference.evaluate import evaluate_path
     from shardlm.inference.export import export
-    from shardlm.inference.load import load_for_inference
     from shardlm.models.lora import inference_state
 
     folders, digests = lora_bases
@@ -111,8 +111,8 @@ def test_lora_exports_generate_and_eval_agree(lora_bases, lora_runs, family, cor
     assert evaluate_path(str(run), val) == pytest.approx(evaluate_path(str(merged_dir), val), rel=1e-5)
 
     # the tensor-level merge (used on gathered training weights) == PEFT's merge_and_unload
+    from shardlm.checkpoint.load import load_lora_checkpoint, resolve_checkpoint
     from shardlm.config import config_from_dict
-    from shardlm.inference.load import load_lora_checkpoint, resolve_checkpoint
 
     ckpt = resolve_checkpoint(run)
     import yaml

@@ -32,6 +32,7 @@ import torch
 
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of
+from shardlm.checkpoint.load import inference_config, load_for_inference
 from shardlm.config import Config, LoraConfig, build_config, parse_overrides, to_flat_dict
 from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Batch, Blocks, ExampleRows, TokenBlocks
@@ -46,7 +47,6 @@ from shardlm.inference.genquality import (
     record_fields,
     require,
 )
-from shardlm.inference.load import inference_config, load_for_inference
 from shardlm.models import lora
 from shardlm.models.causal_lm import auto_loss_chunk
 from shardlm.models.hf_config import context_length, model_config

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of, tokenizer_dir
-from shardlm.inference.load import is_adapter_folder, is_hf_folder, load_for_inference
+from shardlm.checkpoint.load import is_adapter_folder, is_hf_folder, load_for_inference
 from shardlm.models.hf_config import context_length, padding_ids
 from shardlm.tokenizer import end_of_turn_id
 
@@ -79,7 +79,7 @@ def export_adapter(path: str | Path, out: Path, repo_id: str | None = None) -> P
     import sys
 
     from shardlm.checkpoint.layout import resolve_checkpoint
-    from shardlm.inference.load import load_lora_checkpoint
+    from shardlm.checkpoint.load import load_lora_checkpoint
 
     source = Path(path).expanduser()
     if not source.exists():

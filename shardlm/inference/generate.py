@@ -250,7 +250,7 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int, top_p: fl
 
 
 def load_generator(path: str):
-    from shardlm.inference.load import load_for_inference
+    from shardlm.checkpoint.load import load_for_inference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer, _cfg, _ckpt = load_for_inference(path, device)

@@ -27,8 +27,8 @@ from typing import Any
 
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, nearby, read_manifest, resolve_checkpoint, run_dir_of
+from shardlm.checkpoint.load import is_adapter_folder, is_hf_folder
 from shardlm.config import Config, build_config, parse_overrides, to_flat_dict
-from shardlm.inference.load import is_adapter_folder, is_hf_folder
 
 SPLIT = "lm_eval"
 
