@@ -93,6 +93,7 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("parallel.shard_size", cfg.parallel.shard_size, allow_zero=True)
+    _positive("parallel.context", cfg.parallel.context)
     _positive("model.vocab_multiple", cfg.model.vocab_multiple)
     if cfg.checkpoint.export_final and not cfg.checkpoint.save_final:
         raise ShardlmError("checkpoint.export_final=true exports the final checkpoint: it needs "

@@ -19,7 +19,7 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, ParallelConfig
 from shardlm.config.checks import ac_mode, wrap_size
-from shardlm.distributed import checkpointing, wrapping
+from shardlm.distributed import checkpointing, context, wrapping
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora, nf4
 from shardlm.models.causal_lm import CausalLM, transformer_blocks
@@ -81,6 +81,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
                            "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
     shape = mesh_shape(cfg, world_size, local_world_size)
+    context.check_plan(cfg, world_size, device)
     warn_once(gpu_config_warning(cfg, device))  # after the refusals: a config that cannot run says only that
     warn_once(one_rank_per_node_note(cfg, device, use_fsdp, world_size, local_world_size))
     warn_once(memory_notes(cfg, device, use_fsdp))
@@ -234,6 +235,7 @@ def check_model(hf: nn.Module, cfg: Config, pl: Plan) -> str | None:
     blocks, and size:N forming at least one unit where FSDP2 shards. What they will do, in a line (the dry run's)."""
     p, n_blocks = cfg.parallel, len(transformer_blocks(hf))
     checkpointing.check(p.activation_checkpointing, n_blocks)
+    context.check_model(hf.config, cfg)
     if lora.backend(cfg.lora, None, pl.use_fsdp) == "torchao":  # QLoRA's 4-bit weights: blocks of 64, even shards
         nf4.check(nf4.block_linears(hf), pl.mesh_shape if pl.use_fsdp else ())
     said = [checkpointing.describe(p.activation_checkpointing, n_blocks) or ""]

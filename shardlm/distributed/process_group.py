@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,10 +138,15 @@ class Dist:
 
     def __init__(self, info: LaunchInfo, device: torch.device, devices: int = 1):
         self.info, self.device, self.devices = info, device, devices
+        self.context: Any = None  # shardlm.distributed.context.Context: rows split over `context.size` ranks
 
     rank = property(lambda self: self.info.rank)
     world_size = property(lambda self: self.info.world_size)
-    data_parallel = property(lambda self: self.info.world_size * self.devices)  # micro-batches per micro-step
+    context_size = property(lambda self: self.context.size if self.context is not None else 1)
+    # micro-batches per micro-step: the context ranks of a data index share theirs
+    data_parallel = property(lambda self: self.info.world_size * self.devices // self.context_size)
+    data_rank = property(lambda self: self.info.rank // self.context_size)
+    data_world = property(lambda self: self.info.world_size // self.context_size)  # processes of distinct rows
     is_main = property(lambda self: self.info.rank == 0)
     # HF's generate grows its input a token at a time: XLA would compile a graph per length, so it runs on the host
     generation_device = property(lambda self: "cpu" if self.device.type == "xla" else str(self.device))

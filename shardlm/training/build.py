@@ -13,6 +13,7 @@ from torch import nn
 from shardlm.config import Config
 from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Split, prepare_data, prepare_prompts
+from shardlm.distributed import context
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
@@ -54,6 +55,7 @@ def init_dist(cfg: Config) -> tuple[Dist, Plan]:
         torch.set_float32_matmul_precision("high")  # TF32 for fp32 matmuls on Ampere and newer
     pl = plan(cfg, info.world_size, info.local_world_size, device)
     d = dist_mod.init(info, device, cfg.parallel.timeout_s, force_group=pl.use_fsdp)
+    context.attach(d, cfg)
     return d, pl
 
 
@@ -148,6 +150,7 @@ def build(cfg: Config) -> Run:
     out, resumed = checks.check_setup(cfg, pl, d.device, d.run_on_main)
     tokenizer = model_tokenizer(cfg.model)
     hf_cfg = model_config(cfg, tokenizer)
+    context.check_model(hf_cfg, cfg)
     train, val = load_data(cfg, tokenizer, d)
     total = checks.check_data(cfg, hf_cfg, train, val, d.data_parallel, d.print)
     checks.check_resume(cfg, hf_cfg, train, val, resumed, d.run_on_main)

@@ -81,7 +81,8 @@ def run_header(run: Run) -> str:
     cfg, d, pl = run.cfg, run.dist, run.plan
     if pl.use_fsdp:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
-                 f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}")
+                 f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}"
+                 + (f", rows split by context: {d.context.describe()}" if d.context is not None else ""))
     elif d.device.type == "xla":
         where = f"1 process, XLA SPMD over {d.devices} device(s), FSDPv2 {cfg.parallel.sharding}"
     else:

@@ -29,7 +29,7 @@ from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
 from shardlm.data.prompts import PromptRows
-from shardlm.distributed import xla
+from shardlm.distributed import context, xla
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
@@ -170,7 +170,7 @@ class Trainer:
 
     def _indices(self, position: int, m: int) -> np.ndarray:
         """Block indices of this rank's micro-batch `m` of the optimizer step starting at `position`."""
-        start = micro_batch_position(position, m, self.dist.rank, self.dist.world_size, self.batch)
+        start = micro_batch_position(position, m, self.dist.data_rank, self.dist.data_world, self.batch)
         return self.sampler.indices(start, self.batch)
 
     def _micro_batches(self, position: int, first: int) -> Iterator[tuple[Key, np.ndarray]]:
@@ -202,11 +202,12 @@ class Trainer:
         """Sum of token losses of this micro-batch (detached); gradients accumulate in the parameters.
         The loss is divided by the step's global target count over the ranks that average gradients: the mean
         over every target of the optimizer step (`step_targets`); by default a text step's count."""
-        with self.autocast():
-            loss_sum, _ = self.model(batch.inputs, batch.targets, batch.positions)
-        denominator = per_rank_targets or batch.inputs.shape[0] * self.seq_len * self.accum
-        loss = loss_sum / denominator
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        with context.split_step(self.dist, self.run.model.hf.config, *batch[:3]) as (inputs, targets, positions):
+            with self.autocast():
+                loss_sum, _ = self.model(inputs, targets, positions)
+            denominator = per_rank_targets or batch.inputs.shape[0] * self.seq_len * self.accum
+            loss = loss_sum / denominator
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss_sum.detach()
 
     def step_targets(self) -> int:
@@ -237,7 +238,8 @@ class Trainer:
             targets, loss_sum, stats = self.rl.micro_steps(self.sampler, self.position)
         else:
             targets = self.step_targets()
-            per_rank = targets * self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
+            # gradients are averaged over every rank, the context ranks that split a row's targets included
+            per_rank = targets * self.batch * self.accum / self.global_batch / self.dist.context_size
             for m in range(self.accum):
                 batch = self._train_batch(m)
                 set_gradient_sync(self.model, m == self.accum - 1)

@@ -1,0 +1,118 @@
+"""Context parallelism (`parallel.context`, shardlm.distributed.context): rows split over ranks train what one
+process trains. A tiny Llama from scratch (RoPE, grouped-query attention), fp32, gloo, real spawned ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardlm.distributed import context
+from tests.helpers import records, shardlm_cli, tiny
+
+# 30 tokens: not a multiple of 2 x context, so every split pads (the padding must never be scored)
+LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
+         "data.seq_len": 30, "train.batch_size": 4, "train.max_steps": 4, "checkpoint.every": 2,
+         "train.eval_batches": 1}
+CHAT = {"data.train": "chat_tasks", "data.val": "chat_tasks_val", "model.tokenizer": "bytes",
+        "model.chat_template": "chatml", "data.seq_len": 64}
+
+
+def train_curve(out: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(out)]
+
+
+def assert_same_curve(got: list, want: list, tol: float = 1e-5) -> None:
+    assert [s for s, *_ in got] == [s for s, *_ in want]
+    for (_, loss, norm), (_, loss_1, norm_1) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_1, abs=tol) and norm == pytest.approx(norm_1, rel=tol)
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, cache_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cp") / "one"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA)])
+    return out
+
+
+def test_head_tail_order_is_pytorchs_and_the_split_mask_is_one_processs_mask():
+    from torch.distributed.tensor.experimental._context_parallel import _HeadTailLoadBalancer
+
+    assert torch.equal(context.head_tail(24, 3), _HeadTailLoadBalancer(24, 3, "cpu")._generate_indices()[0])
+    # two packed examples whose boundary (position 8 -> 0) falls on the split's chunk boundary, then padding
+    positions = torch.tensor([list(range(8)) + list(range(6))])
+    targets = torch.arange(14)[None]
+    full = torch.tensor([list(range(8)) + list(range(6)) + [0, 0]])
+    docs = context.documents(full)
+    docs[0, 14:] = torch.tensor([3, 4])  # padding: each its own example
+    causal = torch.tril(torch.ones(16, 16, dtype=torch.bool)) & (docs[0, :, None] == docs[0, None, :])
+    order = context.head_tail(16, 2)
+    for rank in range(2):
+        ctx = SimpleNamespace(size=2, rank=rank)
+        inputs, tg, pos, mask = context.split(ctx, targets.clone(), targets, positions)  # type: ignore[arg-type]
+        mine = order.view(2, -1)[rank]
+        assert torch.equal(mask[0, 0], causal[mine][:, order])
+        assert torch.equal(pos[0], full[0, mine])
+        assert torch.equal(inputs[0], torch.cat([targets[0], torch.zeros(2, dtype=torch.long)])[mine])
+        assert (tg[0][mine >= 14] == -100).all() and (tg[0][mine < 14] == mine[mine < 14]).all()
+
+
+def test_context_2_on_2_ranks_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
+    out = tmp_path / "cp2"
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.context": 2})], nproc=2)
+    assert "rows split by context: mesh data 1 x context 2" in proc.stdout
+    assert_same_curve(train_curve(out), train_curve(one_process))
+
+
+def test_data_2_x_context_2_equals_one_process_and_resumes_on_one_rank(corpus, cache_dir, one_process, tmp_path):
+    out = tmp_path / "dp2cp2"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, out, **{**LLAMA, "train.batch_size": 2, "parallel.context": 2})],
+                nproc=4, timeout=400)
+    assert_same_curve(train_curve(out), train_curve(one_process))
+    again = tmp_path / "again"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, again, **LLAMA),
+                 f"checkpoint.resume={out / 'checkpoints' / 'step_000000002'}"])
+    assert_same_curve(train_curve(again), train_curve(one_process)[2:])
+
+
+def test_packed_examples_split_over_2_ranks_train_what_one_process_trains(cache_dir, tmp_path):
+    chat = {**LLAMA, **CHAT, "checkpoint.every": 0}
+    curves = []
+    for name, nproc, extra in (("one", 0, {}), ("cp2", 2, {"parallel.context": 2})):
+        shardlm_cli(["train", *tiny(Path("unused"), cache_dir, tmp_path / name, **chat, **extra)], nproc=nproc)
+        curves.append(train_curve(tmp_path / name))
+    assert_same_curve(*curves)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({}, r"parallel.context=2 does not divide the world size \(1 ranks\)"),
+])
+def test_bad_context_settings_are_one_line_errors(corpus, cache_dir, tmp_path, extra, message):
+    out = tmp_path / "bad"
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.context": 2}, **extra)],
+                       check=False)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.count("error:") == 1
+    import re
+    assert re.search(message, proc.stderr)
+
+
+def test_family_attention_and_objective_the_split_cannot_run_are_refused():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig
+
+    from shardlm import ShardlmError
+    from shardlm.config import load_config
+
+    cfg = load_config(None, ["parallel.context=2"])
+    with pytest.raises(ShardlmError, match="model family 'gpt2' is not supported by context parallelism"):
+        context.check_model(GPT2Config(), cfg)
+    eager = LlamaConfig()
+    eager._attn_implementation = "eager"
+    with pytest.raises(ShardlmError, match="with model.attention=eager: the split attends through SDPA"):
+        context.check_model(eager, cfg)
+    with pytest.raises(ShardlmError, match="attends through a sliding window"):
+        context.check_model(MistralConfig(sliding_window=16), cfg)
+    with pytest.raises(ShardlmError, match="with train.objective=dpo: rows are split"):
+        context.check_plan(load_config(None, ["parallel.context=2", "train.objective=dpo"]), 2, torch.device("cpu"))
