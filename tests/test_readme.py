@@ -111,10 +111,10 @@ def test_plain_train_is_the_shakespeare_config():
                                                                       if k != "out_dir"}
 
 
-def flow_model(config) -> None:
-    """The exported model a config of a flow starts from (dpo_tiny's `runs/chat_tiny-hf`), as the flow's earlier
-    steps make it, in the test's own folder: the dry run then checks the model and counts the blocks instead of
-    taking the path for a hub name it cannot reach."""
+def flow_model(config, path: str | None = None) -> None:
+    """The exported model a config of a flow starts from (dpo_tiny's `runs/chat_tiny-hf`; `path`: distill_tiny's
+    teacher), as the flow's earlier steps make it, in the test's own folder: the dry run then checks the model and
+    counts the blocks instead of taking the path for a hub name it cannot reach."""
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -123,8 +123,8 @@ def flow_model(config) -> None:
     set_chat_template(tok, "chatml")  # chat_tiny's
     torch.manual_seed(0)
     model = GPT2LMHeadModel(byte_gpt2_config(vocab_size=len(tok), n_positions=values["data"]["seq_len"]))
-    model.save_pretrained(values["model"]["name"])
-    tok.save_pretrained(values["model"]["name"])
+    model.save_pretrained(path or values["model"]["name"])
+    tok.save_pretrained(path or values["model"]["name"])
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
@@ -138,6 +138,8 @@ def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
         extra = ["data.train=chat_pairs", "data.val=chat_pairs_val"]  # made by the flow's earlier steps (dpo_tiny)
     if str(yaml.safe_load(config.read_text()).get("model", {}).get("name")).startswith("runs/"):
         flow_model(config)  # dpo_tiny's and grpo_tiny's model: the flow's exported chat_tiny
+    if str(teacher := yaml.safe_load(config.read_text()).get("distill", {}).get("teacher")).startswith("runs/"):
+        flow_model(config, teacher)  # distill_tiny's teacher: the flow's exported chat_tiny
     assert cmd_train(parse_args(["train", str(config), "--dry-run", "--nproc", "2", *extra])) == 0
     out = capsys.readouterr().out
     assert "dry run: the config is valid" in out and "plan: 2 rank(s)" in out
