@@ -116,3 +116,19 @@ def test_family_attention_and_objective_the_split_cannot_run_are_refused():
         context.check_model(MistralConfig(sliding_window=16), cfg)
     with pytest.raises(ShardlmError, match="with train.objective=dpo: rows are split"):
         context.check_plan(load_config(None, ["parallel.context=2", "train.objective=dpo"]), 2, torch.device("cpu"))
+    with pytest.raises(ShardlmError, match="parallel.context=2 is not supported on XLA"):
+        context.check_plan(cfg, 2, torch.device("xla"))
+
+
+def test_estimate_counts_each_ranks_share_of_the_row_and_the_split():
+    from shardlm.config import load_config
+    from shardlm.preflight.estimate import estimate
+    from shardlm.tokenizer import model_tokenizer
+
+    keys = ["model.arch=llama", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.n_kv_head=2",
+            "model.tokenizer=bytes", "data.seq_len=2048", "train.batch_size=1"]
+    one, two = (estimate(cfg, model_tokenizer(cfg.model), 2) for cfg in
+                (load_config(None, [*keys, f"parallel.context={n}"]) for n in (1, 2)))
+    assert two.components["activations"] == pytest.approx(one.components["activations"] / 2)
+    # the mask (1024 x 2048 booleans) and 2 layers' gathered keys and values (2048 x 2 x 2 heads x 16 x 4 bytes)
+    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 + 2 * 2048 * 2 * 32 * 4

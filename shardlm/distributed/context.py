@@ -102,6 +102,20 @@ def attach(dist: Dist, cfg: Config) -> None:
         dist.context = Context(cfg.parallel.context, dist)
 
 
+def share(length: int, n: int) -> int:
+    """Tokens of a row of `length` that each of `n` context ranks holds: padded to a multiple of 2n."""
+    return length if n == 1 else (length + -length % (2 * n)) // n
+
+
+def split_bytes(hf_cfg, rows: int, length: int, n: int, itemsize: int, layers: int) -> float:
+    """What the split adds on a rank (`shardlm estimate`): the boolean mask of its queries against the whole row,
+    and each layer's gathered keys and values, which autograd keeps for the backward."""
+    heads = getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    whole = length + -length % (2 * n)
+    return rows * share(length, n) * whole + layers * rows * whole * 2 * heads * head_dim * itemsize
+
+
 def head_tail(length: int, n: int) -> torch.Tensor:
     """The row's positions in the order the ranks hold them: rank r gets chunks r and 2n-1-r of 2n (PyTorch's
     `_HeadTailLoadBalancer`, which tests/test_context_parallel.py checks this against)."""

@@ -27,6 +27,7 @@ import torch
 from shardlm.config import Config
 from shardlm.config.checks import ac_mode, wrap_size
 from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.distributed import context
 from shardlm.distributed.checkpointing import SelectiveSaved, checkpointed
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 from shardlm.distributed.wrapping import owned_params, size_units
@@ -182,10 +183,13 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     # Step phases: forward/loss (activations + loss buffers live, gradients not yet) versus the end of
     # backward and the optimizer step (all gradients live, activations freed). The peak is the larger.
     per_token = block_saved_bytes_per_token(hf_cfg, compute, T, cfg=cfg, masked=shared)
-    tokens = B * T
+    tokens = B * context.share(T, p.context)  # parallel.context: this rank's share of each row
     forward: dict[str, float] = {}
     host = activations(cfg, hf_cfg, len(blocks), per_token, tokens, compute, forward)
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
+    if p.context > 1:
+        forward["context: the split's mask, gathered keys/values"] = context.split_bytes(hf_cfg, B, T, p.context,
+                                                                                         csize, len(blocks))
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
     compiled = compile_mode(p.compile, device) == "model"
     transform = logit_transform(hf_cfg)
@@ -226,7 +230,9 @@ def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
     lines = ["QLoRA with bitsandbytes runs in one process on one GPU: estimated for 1 rank"] if one else []
     for w in [1] if one else world_sizes:
         est = estimate(cfg, tokenizer, w)
-        lines.append(f"{cfg.parallel.sharding} x {w} rank(s), batch {cfg.train.batch_size} x seq {cfg.data.seq_len}, "
+        split = f", context {cfg.parallel.context}" if cfg.parallel.context > 1 else ""
+        lines.append(f"{cfg.parallel.sharding} x {w} rank(s){split}, batch {cfg.train.batch_size} x seq "
+                     f"{cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {cfg.parallel.activation_checkpointing}, "
                      + (f"wrap {cfg.parallel.wrap}, " if wrap_size(cfg.parallel.wrap) else "") +
                      f"loss chunk {_chunk_name(cfg.train.loss_chunk_size)}; {est.parameters / 1e6:.1f}M parameters")

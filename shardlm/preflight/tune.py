@@ -50,6 +50,7 @@ class Point:
     per_rank_batch: int = 0  # train.batch_size x train.grad_accum of the user's config
     cap: int = 0  # the search goes no higher: min(per_rank_batch, --max-batch)
     world_size: int = 1
+    context: int = 1  # parallel.context: ranks that split each row (they share one micro-batch)
 
     @property
     def grad_accum(self) -> int:
@@ -169,7 +170,8 @@ def divisors_down(n: int, most: int) -> list[int]:
 def search(cfg: Config, setting: dict, budget: float | None, steps: int, max_batch: int, world_size: int,
            log) -> Point:
     per_rank = cfg.train.batch_size * cfg.train.grad_accum
-    point = Point(setting, per_rank_batch=per_rank, cap=min(max_batch, per_rank), world_size=world_size)
+    point = Point(setting, per_rank_batch=per_rank, cap=min(max_batch, per_rank), world_size=world_size,
+                  context=cfg.parallel.context)
     measured: dict[tuple[int, int], tuple[float, float]] = {}
 
     def fits(batch: int, accum: int = 1) -> tuple[bool, float]:
@@ -252,11 +254,12 @@ def report(points: list[Point], out: Path) -> str:
                            "budget, even as micro-batches of 1: raise --budget-gb, shorten data.seq_len or use "
                            "more ranks.")
     first = points[0]
-    world, per_rank = first.world_size, first.per_rank_batch
+    world, per_rank = first.world_size // first.context, first.per_rank_batch  # data indices: a row each
     header = (f"{'sharding':<9} {'AC':<9} {'chunk':>5} {'prec':<5} {'offload':<7} {'max micro':>12} "
               f"{'micro x accum':>13} {'tokens/s':>9} {'peak GiB':>8}")
-    rows = [f"global batch kept: {world} rank{'s' * (world != 1)} x {per_rank} blocks = {world * per_rank} blocks "
-            "per optimizer step (as in your config)", "", header, "-" * len(header)]
+    split = f" (each row split over parallel.context={first.context} ranks)" if first.context > 1 else ""
+    rows = [f"global batch kept: {world} rank{'s' * (world != 1)}{split} x {per_rank} blocks = {world * per_rank} "
+            "blocks per optimizer step (as in your config)", "", header, "-" * len(header)]
     rows += [_row(p) for p in sorted(points, key=lambda p: -p.tokens_per_s)]
     best = max(feasible, key=lambda p: p.tokens_per_s)
     _write(best, out)
