@@ -130,5 +130,5 @@ def test_estimate_counts_each_ranks_share_of_the_row_and_the_split():
     one, two = (estimate(cfg, model_tokenizer(cfg.model), 2) for cfg in
                 (load_config(None, [*keys, f"parallel.context={n}"]) for n in (1, 2)))
     assert two.components["activations"] == pytest.approx(one.components["activations"] / 2)
-    # the mask (1024 x 2048 booleans) and 2 layers' gathered keys and values (2048 x 2 x 2 heads x 16 x 4 bytes)
-    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 + 2 * 2048 * 2 * 32 * 4
+    # the mask (1024 x 2048, booleans and fp32) and 2 layers' gathered keys and values (2048 x 2 x 2 heads x 16 x 4)
+    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 * 5 + 2 * 2048 * 2 * 32 * 4
