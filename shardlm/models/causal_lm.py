@@ -3,8 +3,8 @@
 Running the loss inside the module means the tied lm_head/wte weight is unsharded exactly while the loss needs
 it. Its entry points return one thing each: `forward` the token loss, `sequence_logps` the summed
 log-probabilities of whole sequences (preference pairs), `completion_logps` the per-token log-probabilities of
-sampled completions (online RL). Its HF config is built in `hf_config`, its weights
-loaded in `instantiate`.
+sampled completions (online RL), `distill` the distillation loss to a teacher and `teacher_view` what a teacher
+gives it. Its HF config is built in `hf_config`, its weights loaded in `instantiate`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from shardlm import ShardlmError
 from shardlm.models.attention import CAUSAL_SDPA, one_sequence_per_row
+from shardlm.models.distill_loss import LiveTeacher, TopKTeacher, distill_loss
 from shardlm.models.hf_config import logit_transform
 from shardlm.models.loss import IGNORE, linear_cross_entropy, logits_cross_entropy
 from shardlm.models.moe import router_objective
@@ -116,6 +118,38 @@ class CausalLM(nn.Module):
         chunk = self.loss_chunk_size or 1024
         return target_logps(hidden, weight, bias, kept, scale, chunk, with_entropy)
 
+    def distill(self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                teacher: LiveTeacher | TopKTeacher, *, beta: float, temperature: float, alpha: float,
+                vocab: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Distillation's loss sum of the targets and its parts' sums (shardlm.models.distill_loss), the head used
+        inside this forward as `forward` uses it (under FSDP2 gathered exactly while the loss needs it). `teacher`
+        holds one row per target, read row by row (`teacher_view`'s, or stored top-K scores). A forward of its own,
+        registered with FSDP2 as `sequence_logps` is."""
+        if self.full_logits:
+            raise ShardlmError(f"{self.hf.config.model_type} computes its logits in its own forward (a logit "
+                               "transform, or no head to take), which distillation's chunked loss does not apply: "
+                               "distill into a family without one (GPT-2, Llama, Qwen, Mistral, ...).")
+        hidden, kept = valid_targets(targets, self._body(tokens, positions).last_hidden_state)
+        weight, bias = self._head()
+        return distill_loss(hidden, weight, bias, kept, teacher, beta=beta, temperature=temperature, alpha=alpha,
+                            vocab=vocab, chunk_size=self.loss_chunk_size)
+
+    @torch.no_grad()
+    def teacher_view(self, tokens: torch.Tensor, targets: torch.Tensor,
+                     positions: torch.Tensor | None) -> LiveTeacher:
+        """What a student's `distill` needs of this model as its teacher: the final hidden states at the targets (row
+        by row) and the head. Under FSDP2 the head is copied out of the gathered root (gathered once per call, not
+        per chunk of the loss): the gathered weights are freed when the forward's unit reshards."""
+        if self.full_logits:
+            raise ShardlmError(f"the teacher's family ({self.hf.config.model_type}) computes its logits in its own "
+                               "forward (a logit transform, or no head to take), which distillation's chunked loss "
+                               "does not apply: use a teacher of a family without one.")
+        hidden, _ = valid_targets(targets, self._body(tokens, positions).last_hidden_state)
+        weight, bias = self._head()
+        copy = isinstance(self, FSDPModule)
+        return LiveTeacher(hidden, weight.detach().clone() if copy else weight.detach(),
+                           None if bias is None else bias.detach().clone() if copy else bias.detach())
+
     def _body(self, tokens: torch.Tensor, positions: torch.Tensor | None, routed: bool = False,
               mask: torch.Tensor | None = None) -> Any:
         """The HF model's outputs: its logits where the family transforms them (or has no head to take), else
@@ -161,6 +195,13 @@ def at_targets(positions: torch.Tensor | None, targets: torch.Tensor,
         return tuple(flat)
     keep = (targets.flatten() != IGNORE).nonzero().squeeze(1)
     return tuple(t.index_select(0, keep) for t in flat)
+
+
+def valid_targets(targets: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden rows, targets) at the targets != -100 alone, row by row, on text as on examples: a teacher's rows and
+    stored top-K scores are addressed in this order, so both models must select the same positions."""
+    keep = (targets.flatten() != IGNORE).nonzero().squeeze(1)
+    return hidden.flatten(0, 1).index_select(0, keep), targets.flatten().index_select(0, keep)
 
 
 def sequence_sums(logits: torch.Tensor, targets: torch.Tensor, segments: torch.Tensor,
@@ -243,7 +284,8 @@ def target_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return logps, (entropy if with_entropy else None)
 
 
-FORWARDS = ("sequence_logps", "completion_logps")  # CausalLM's forwards besides `forward` (FSDP2 registers them)
+# CausalLM's forwards besides `forward`: FSDP2 registers them (parallelize the first two, distillation its own)
+FORWARDS = ("sequence_logps", "completion_logps", "distill", "teacher_view")
 
 
 def before_every_forward(model: nn.Module, hook: Callable[[nn.Module, tuple], None]) -> None:

@@ -71,9 +71,14 @@ PANELS = (
           (("train", "entropy"),), y="zero"),
     Panel("rl_kl.png", "KL to the initial model (online RL, grpo.beta > 0)", "KL (k3, nats/token)",
           (("train", "kl"),), y="zero"),
+    Panel("distill_loss.png", "Distillation: divergence to the teacher, the student's next-token loss",
+          "nats/token", tuple((s, f"distill/{m}") for s in ("train", "val") for m in ("loss", "nll")), y="zero"),
+    Panel("distill_entropy.png", "Distillation: entropy at the temperature", "entropy (nats/token)",
+          tuple((s, f"distill/{m}_entropy") for s in ("train", "val") for m in ("teacher", "student")), y="zero"),
 )
 MOE_PANELS = ("expert_load.png", "router_aux_loss.png")
 PAIR_PANELS = ("rewards.png", "reward_accuracy.png", "logps.png")
+DISTILL_PANELS = ("distill_loss.png", "distill_entropy.png")
 RL_PANELS = ("rl_reward.png", "rl_shares.png", "rl_completion_length.png", "rl_entropy.png", "rl_kl.png",
              "rl_rewards_by_function.png")
 TOKEN_METRICS = ("ppl", "accuracy")  # of text and examples; a pair record's (chosen answers' ppl, rewards') are not
@@ -89,7 +94,9 @@ METRIC_NAMES = {"gpu_mem_used_gb": "GPU memory used (NVML)", "ppl": "perplexity"
                 "rewards/accuracy": "reward accuracy", "logps/chosen": "chosen", "logps/rejected": "rejected",
                 "frac_reward_zero_std": "groups with equal rewards", "completions/clipped_ratio": "cut at max length",
                 "clip_ratio/region_mean": "tokens with a clipped ratio", "exact_match": "greedy exact match",
-                "completions/mean_terminated_length": "mean of those that ended"}
+                "completions/mean_terminated_length": "mean of those that ended", "distill/loss": "divergence",
+                "distill/nll": "next-token loss", "distill/teacher_entropy": "teacher",
+                "distill/student_entropy": "student"}
 
 
 def metric_name(metric: str) -> str:
@@ -269,6 +276,6 @@ def plot_runs(runs: list[str], out: str | None = None,
         if (fig := draw(panel, data)) is not None:
             fig.savefig(out_dir / panel.file)
             written.append(out_dir / panel.file)
-        elif panel.file not in MOE_PANELS + PAIR_PANELS + RL_PANELS:  # a run without them: nothing to explain
+        elif panel.file not in MOE_PANELS + PAIR_PANELS + RL_PANELS + DISTILL_PANELS:  # a run without: nothing to say
             log(why_missing(panel, data))
     return written

@@ -3,6 +3,7 @@ parallelize -> weights -> optimizer. `build()` returns them; the Trainer only ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,8 @@ from shardlm.training.schedule import Schedule, make_schedule
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+Weights = Callable[[], nn.Module]  # a model's starting weights as a CPU HF model (rank 0's, under FSDP2)
 
 
 @dataclass
@@ -59,7 +62,7 @@ def init_dist(cfg: Config) -> tuple[Dist, Plan]:
     return d, pl
 
 
-def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
+def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist, weights: Weights | None = None) -> None:
     """Sharded model on meta -> allocate this rank's shards -> rank 0's weights broadcast into them.
 
     Random init must happen on one rank: DTensor random ops on a CPU mesh draw the same values on
@@ -68,7 +71,7 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else dist.device)
-    reference = _initial_hf(cfg, hf_cfg) if dist.is_main else None
+    reference = (weights() if weights else _initial_hf(cfg, hf_cfg)) if dist.is_main else None
     full = from_hf(reference.state_dict()) if reference is not None else {}
     four_bit = nf4.split_off(model, full)  # QLoRA (torchao): its 4-bit weights load apart, quantized whole on rank 0
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
@@ -101,8 +104,9 @@ def _initial_hf(cfg: Config, hf_cfg, device: torch.device | None = None) -> nn.M
     return lora.apply(hf, cfg.lora, seed=cfg.train.seed) if lora.enabled(cfg.lora) else hf
 
 
-def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
-    """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.models.lora): only they train."""
+def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist, weights: Weights | None = None) -> CausalLM:
+    """With `lora.r > 0` the adapters are injected before parallelize (see shardlm.models.lora): only they train.
+    `weights`: the CPU model to start from where model.name cannot give it (a distillation teacher's checkpoint)."""
     chunk = auto_loss_chunk(cfg.train.loss_chunk_size, cfg.train.batch_size, cfg.data.seq_len, hf_cfg.vocab_size,
                             dist.device, compiled=pl.compile == "model", itemsize=pl.dtype.itemsize)
     if pl.use_fsdp:
@@ -111,9 +115,9 @@ def build_model(cfg: Config, hf_cfg, pl: Plan, dist: Dist) -> CausalLM:
             nf4.quantize(hf, mesh=pl.mesh_shape)
         model = CausalLM(lora.apply(hf, cfg.lora) if lora.enabled(cfg.lora) else hf, chunk)
         parallelize(model, cfg, pl, dist)
-        materialize(model, cfg, hf_cfg, dist)
+        materialize(model, cfg, hf_cfg, dist, weights)
     else:
-        model = CausalLM(_initial_hf(cfg, hf_cfg, dist.device), chunk)
+        model = CausalLM(weights() if weights else _initial_hf(cfg, hf_cfg, dist.device), chunk)
         if dist.device.type != "xla" and lora.backend(cfg.lora, dist.device) != "bitsandbytes":  # xla moves its own
             model.to(dist.device)
         parallelize(model, cfg, pl, dist)

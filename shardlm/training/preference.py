@@ -213,13 +213,13 @@ def reshard(model: torch.nn.Module) -> None:
 
 def check_objective(cfg, train, val) -> None:
     """Pairs need a preference objective and a preference objective needs pairs, in both splits."""
-    if cfg.train.objective != "sft":
+    if cfg.train.objective not in ("sft", "distill"):
         pair_rows(train, "training")
         pair_rows(val, "validation")
         return
     if any(isinstance(b, ExampleRows) and b.group == 2 for b in (train, val)):
-        raise ShardlmError("the data holds preference pairs (chosen/rejected), which train.objective=sft does not "
-                           "train on: set train.objective to dpo, ipo, simpo or orpo.")
+        raise ShardlmError(f"the data holds preference pairs (chosen/rejected), which train.objective="
+                           f"{cfg.train.objective} does not train on: set train.objective to dpo, ipo, simpo or orpo.")
 
 
 def chosen_targets(rows: ExampleRows, indices: np.ndarray) -> int:

@@ -25,9 +25,10 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import num_params, transformer_blocks
 from shardlm.models.moe import active_fraction, expert_params, idle_expert_params, router_record
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
-from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token
+from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token, held_out_words
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
 from shardlm.training.build import Run, describe_optimizer
+from shardlm.training.distill_step import RECORDS as DISTILL_RECORDS
 from shardlm.training.preference import STATS
 from shardlm.training.rl_step import describe_prompts
 
@@ -164,7 +165,8 @@ class Reporter:
         loss = (self.loss_sum[0] / max(self.targets, 1)).item()
         pref = {}
         if self.stats is not None:  # per pair, over every rank: rewards/chosen, ...
-            pref = dict(zip(STATS, (self.dist.all_reduce_sum(self.stats) / max(self.targets, 1)).tolist(), strict=True))
+            names = DISTILL_RECORDS if self.run.cfg.train.objective == "distill" else STATS  # distillation's per target
+            pref = dict(zip(names, (self.dist.all_reduce_sum(self.stats) / max(self.targets, 1)).tolist(), strict=True))
             self.stats = None
         target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
@@ -212,6 +214,10 @@ class Reporter:
 
     def describe(self, result: dict[str, Any], held_out: int) -> str:
         """A validation result in words; online RL's: the mean sampled reward and the greedy exact match."""
+        if "distill/loss" in result:
+            return (f"loss {result['loss']:.4f} (distill/loss {result['distill/loss']:.4f}, distill/nll "
+                    f"{result['distill/nll']:.4f}, ppl {result['ppl']:.2f}) "
+                    + held_out_words(result["tokens"], held_out, self.run.cfg.train.eval_batches))
         if "reward" not in result:
             return describe_val(result, held_out, self.run.cfg.train.eval_batches)
         return describe_prompts(result, held_out)

@@ -37,6 +37,7 @@ from shardlm.models.fp8 import after_optimizer_step
 from shardlm.observe.hardware import peak_flops
 from shardlm.training import reporting
 from shardlm.training.build import Run, build, build_model
+from shardlm.training.distill_step import Distill
 from shardlm.training.optim.optimizers import update_plan
 from shardlm.training.optim.update import LateRead, clip_grad_norm, fused_clip_step, grad_norm
 from shardlm.training.preference import STATS, PairScores, Preference, ReferenceSource, chosen_targets, pair_rows
@@ -71,9 +72,10 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
-        rl, pairs = t.objective in RL_OBJECTIVES, t.objective not in ("sft", *RL_OBJECTIVES)
+        rl, pairs = t.objective in RL_OBJECTIVES, t.objective not in ("sft", "distill", *RL_OBJECTIVES)
         self.preference = Preference(self.cfg, self.device, build_model) if pairs else None
         self.rl = RLStep(run, self.batch, self.accum, self.autocast, build_model) if rl else None
+        self.distill = Distill(run) if t.objective == "distill" else None  # its teacher built beside the model
         self.validator = Validator(self.dist, self.batch, t.eval_batches, self.autocast, self._batch)
         # The step's gradient norm is read on the host one step late where the optimizer takes the clip factor
         # (training.optim.update decides, and the run header says which)
@@ -93,7 +95,8 @@ class Trainer:
         return {"step": self.step, "position": self.position, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
                 "callbacks": self.callbacks.state_dict(), "data_blocks": [len(self.run.train), len(self.run.val)],
-                **(self.preference.state() if self.preference else {}), **(self.rl.state() if self.rl else {})}
+                **(self.preference.state() if self.preference else {}), **(self.rl.state() if self.rl else {}),
+                **(self.distill.state() if self.distill else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The data stream continues at the saved position even when the global batch changed."""
@@ -104,6 +107,8 @@ class Trainer:
             self.preference.resumed_key = state.get("reference_key")
         if self.rl is not None:
             self.rl.load_state(state)
+        if self.distill is not None:  # another teacher than the run's is refused here, before any step
+            self.distill.load_state(state)
         blocks = [len(self.run.train), len(self.run.val)]
         if state.get("data_blocks", blocks) != blocks:
             (tr, va), (tr2, va2) = state["data_blocks"], blocks
@@ -236,6 +241,8 @@ class Trainer:
             targets, loss_sum, stats = self._preference_micro_steps()
         elif self.rl is not None:  # online RL: a generation round, then its completions (training.rl_step)
             targets, loss_sum, stats = self.rl.micro_steps(self.sampler, self.position)
+        elif self.distill is not None:  # the teacher's scores of the same micro-batches (training.distill_step)
+            targets, loss_sum, stats = self.distill.micro_steps(self)
         else:
             targets = self.step_targets()
             # gradients are averaged over every rank, the context ranks that split a row's targets included
@@ -339,6 +346,8 @@ class Trainer:
         next-token loss, or the preference loss and rewards."""
         if self.rl is not None:
             return self.rl.validate(self.run.val, self.cfg.train.eval_batches)
+        if self.distill is not None:
+            return self.distill.validate(self)
         if self.preference is None:
             return self.validator.validate(self.model, self.blocks(self.run.val), TokenScores())
         rows = pair_rows(self.run.val, "validation")

@@ -1,0 +1,182 @@
+"""Distillation in the training loop (`train.objective=distill`): the step's micro-batches scored against the
+teacher, and validation by the same objective.
+
+Each micro-batch (text blocks or examples, read as sft reads them; the scored positions are the targets) goes
+through the teacher's body first (no_grad, eval, its head copied out of FSDP2's gather once: `teacher_view`), then
+through the student's `distill` forward, whose head computes GKD's generalized JSD to the teacher mixed with the
+next-token loss in chunks of positions (shardlm.models.distill_loss). With `distill.teacher_topk=K` the teacher
+scores the data once before the first step instead (shardlm.training.teacher_scores) and is let go: the stored
+top-K log-probabilities of the micro-batch's rows stand for it. On the steps `distill.on_policy` draws
+(shardlm.training.distill_samples), each example's answer is first replaced by the student's own completion.
+
+The step's loss is its sum over every target divided once by the step's global target count, as sft's is
+(`Trainer.step_targets`; an on-policy step counts its sampled targets with one all-reduce), so 2 ranks train what
+one process trains and accumulation is exact. The records add the parts per target: `distill/loss` (the
+divergence), `distill/nll` (the student's next-token loss, what it is judged by), both entropies at the
+temperature, and `distill/on_policy` (the share of the targets that were the student's own samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from shardlm import ShardlmError
+from shardlm.data import Batch, micro_batch_position
+from shardlm.distributed.parallelize import set_gradient_sync
+from shardlm.models.distill_loss import LiveTeacher, TopKTeacher
+from shardlm.models.loss import IGNORE
+from shardlm.training.build import Run
+from shardlm.training.distill_samples import on_policy_step, row_keys, step_completions
+from shardlm.training.preference import reshard
+from shardlm.training.teacher import identity_key, load_teacher, teacher_changed, teacher_identity, teacher_source
+from shardlm.training.teacher_scores import TeacherScores, prepare_teacher_topk
+from shardlm.training.validate import Share
+
+if TYPE_CHECKING:
+    from shardlm.models.causal_lm import CausalLM
+
+Trainer = Any  # shardlm.training.trainer's, which imports this module: the methods below take the running one
+
+PARTS = ("distill", "nll", "teacher_entropy", "student_entropy")  # distill_loss's sums, in the records' order
+RECORDS = ("distill/loss", "distill/nll", "distill/teacher_entropy", "distill/student_entropy", "distill/on_policy")
+
+
+def as_forward(model: nn.Module, name: str) -> None:
+    """A CausalLM method run as a forward of its own under FSDP2 (the root unit gathered around it, as parallelize
+    registers `sequence_logps`)."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if isinstance(model, FSDPModule):
+        register_fsdp_forward_method(model, name)
+
+
+class Distill:
+    """The objective of a distillation run: its teacher (live, or its stored top-K scores) and the step."""
+
+    def __init__(self, run: Run):
+        self.run, self.d, self.cfg = run, run.cfg.distill, run.cfg
+        self.vocab = len(run.tokenizer)
+        src = teacher_source(self.d.teacher)
+        self.identity = teacher_identity(src)
+        self.key = identity_key(self.identity)
+        self.teacher: CausalLM | None = load_teacher(run.cfg, run, src)
+        self.scores: TeacherScores | None = None
+        as_forward(run.model, "distill")
+        as_forward(self.teacher, "teacher_view")
+
+    # ---- what the run's state keeps: the teacher's identity -------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"teacher_key": self.key}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """A resume with another teacher is refused before any step (the teacher is never in a checkpoint)."""
+        saved = state.get("teacher_key")
+        if saved is not None and saved != self.key:
+            raise teacher_changed(self.cfg, saved, self.key)
+
+    # ---- one micro-batch ---------------------------------------------------------------------------------------
+    def prepare(self, trainer: Trainer) -> None:
+        """Top-K: the stored scores, scored now if the run is at step 0; the teacher is then let go."""
+        if self.d.teacher_topk <= 0 or self.scores is not None:
+            return
+        self.scores = prepare_teacher_topk(self.run, self.teacher, self.d.teacher_topk, self.d.temperature,
+                                           identity=self.identity, step=trainer.step, batch=trainer.batch,
+                                           autocast=trainer.autocast)
+        self.teacher = None  # its memory goes back to the student
+
+    def teacher_for(self, batch: Batch, split: str, indices: np.ndarray | None) -> LiveTeacher | TopKTeacher:
+        if self.scores is not None:
+            assert indices is not None
+            return self.scores.for_rows(split, indices, batch)
+        assert self.teacher is not None
+        view = self.teacher.teacher_view(batch.inputs, batch.targets, batch.positions)
+        reshard(self.teacher)  # a frozen model keeps nothing gathered for a backward it never has
+        return view
+
+    def loss(self, model: nn.Module, batch: Batch, split: str,
+             indices: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the objective's sum over the batch's targets, the sums of PARTS): `indices` are the batch's rows of
+        `split` (stored top-K scores are addressed by them)."""
+        teacher = self.teacher_for(batch, split, indices)
+        student = cast("CausalLM", model)
+        loss_sum, parts = student.distill(batch.inputs, batch.targets, batch.positions, teacher, beta=self.d.beta,
+                                          temperature=self.d.temperature, alpha=self.d.alpha, vocab=self.vocab)
+        return loss_sum, torch.stack([parts[k].float() for k in PARTS])
+
+    # ---- one optimizer step --------------------------------------------------------------------------------
+    def micro_steps(self, trainer: Trainer) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A step's micro-batches: (the step's global targets, this rank's loss sum, the RECORDS' sums)."""
+        self.prepare(trainer)
+        model, accum = trainer.model, trainer.accum
+        sampled = self._on_policy_batches(trainer)
+        if sampled is not None:
+            local = torch.tensor(float(sum(int((b.targets != IGNORE).sum()) for b in sampled)),
+                                 device=trainer.device)
+            targets = max(1, int(trainer.dist.all_reduce_sum(local).item()))
+        else:
+            targets = trainer.step_targets()
+        per_rank = targets * trainer.batch * accum / trainer.global_batch  # gradients are averaged over ranks
+        loss_sum = torch.zeros((), device=trainer.device)
+        stats = torch.zeros(len(RECORDS), device=trainer.device)
+        for m in range(accum):
+            batch = sampled[m] if sampled is not None else trainer._train_batch(m)
+            rows = trainer._indices(trainer.position, m) if self.scores is not None else None
+            set_gradient_sync(model, m == accum - 1)
+            with trainer.autocast():
+                part_sum, parts = self.loss(model, batch, "train", rows)
+            loss = part_sum / per_rank
+            (trainer.scaler.scale(loss) if trainer.scaler else loss).backward()
+            loss_sum += part_sum.detach()
+            stats[:len(PARTS)] += parts.detach()
+            if sampled is not None:
+                stats[len(PARTS)] += (batch.targets != IGNORE).sum()
+        return targets, loss_sum, stats
+
+    def _on_policy_batches(self, trainer: Trainer) -> list[Batch] | None:
+        """On a step `distill.on_policy` draws: the step's micro-batches with the student's own answers (sampled
+        in one round for the whole step; each example keyed by its place in the data order). Else None."""
+        if not on_policy_step(self.cfg.train.seed, trainer.step, self.d.on_policy):
+            return None
+        d = trainer.dist
+        batches = [trainer._train_batch(m) for m in range(trainer.accum)]
+        keys = [row_keys(micro_batch_position(trainer.position, m, d.data_rank, d.data_world, trainer.batch),
+                         trainer.batch) for m in range(trainer.accum)]
+        sampled = step_completions(trainer.model, batches, self.run.tokenizer, self.cfg, keys, trainer.autocast)
+        trainer.model.train()
+        return sampled
+
+    def validate(self, trainer: Trainer) -> dict[str, Any]:
+        """The same objective on the validation split (offline data: no completions sampled)."""
+        self.prepare(trainer)
+        return trainer.validator.validate(trainer.model, trainer.blocks(self.run.val), DistillScores(self))
+
+
+class DistillScores:
+    """Validation of distillation (shardlm.training.validate's Scorer): the objective, its parts and the student's
+    next-token loss per target; `ppl` is the student's own perplexity, exp of `distill/nll`."""
+
+    fields = ("loss_sum", *PARTS, "tokens")
+
+    def __init__(self, distill: Distill):
+        self.distill = distill
+
+    def sums(self, model: nn.Module, batch: Batch, share: Share) -> Mapping[str, torch.Tensor | float]:
+        real = torch.from_numpy(share.valid).to(batch.targets.device)
+        batch = batch._replace(targets=batch.targets.masked_fill(~real[:, None], IGNORE))  # padding rows: none
+        loss_sum, parts = self.distill.loss(model, batch, "val", np.where(share.valid, share.indices, -1))
+        return {"loss_sum": loss_sum, **dict(zip(PARTS, parts, strict=True)),
+                "tokens": (batch.targets != IGNORE).sum()}
+
+    def result(self, totals: dict[str, float]) -> dict[str, Any]:
+        n = totals["tokens"]
+        if n == 0:
+            raise ShardlmError("nothing to evaluate: the validation data has no targets.")
+        nll = totals["nll"] / n
+        return {"loss": totals["loss_sum"] / n, "ppl": math.exp(min(nll, 700)),
+                **{f"distill/{k if k != 'distill' else 'loss'}": totals[k] / n for k in PARTS}, "tokens": int(n)}
