@@ -146,3 +146,29 @@ def test_two_ranks_and_a_resume_train_what_one_process_trains(qa_file, cache_dir
     assert student.config.model_type == "gpt2" and student.config.n_layer == 2
     out = student.generate(torch.tensor([[82, 101]]), max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 7)
+
+
+def test_a_run_folder_teacher_its_stored_top_k_and_on_policy_steps(qa_file, cache_dir, tmp_path):
+    """A teacher that is a shardlm run folder (its newest checkpoint). Its top-K scores stored with K = the whole
+    vocabulary give the live teacher's step, addressed by the rows the sampler drew; an on-policy step trains on the
+    student's own samples alone; a student whose tokenizer lacks ChatML's tokens is refused in one line."""
+    from shardlm.config import load_config
+    from shardlm.training.trainer import Trainer
+
+    teacher = tmp_path / "teacher_run"
+    shape = {"model.chat_template": "chatml", "data.seq_len": 48, "model.n_positions": 48}
+    train_in_process(tiny(qa_file, cache_dir, teacher, **shape, **{"train.max_steps": 2, "model.n_embd": 48}))
+
+    def step(out: str, **extra):
+        args = distill_args(qa_file, cache_dir, tmp_path / out, teacher, **{**shape, "train.batch_size": 4, **extra})
+        return Trainer.from_config(load_config(None, args)).train_step()
+
+    live, stored = step("live"), step("topk", **{"distill.teacher_topk": 259})
+    assert live["targets"] == stored["targets"] and live["stats"] is not None and stored["stats"] is not None
+    assert float(stored["loss_sum"]) == pytest.approx(float(live["loss_sum"]), rel=1e-5)
+    assert stored["stats"][:2].tolist() == pytest.approx(live["stats"][:2].tolist(), rel=1e-5)
+    sampled = step("on_policy", **{"distill.on_policy": 1.0, "distill.max_new_tokens": 6})
+    assert sampled["stats"] is not None and float(sampled["stats"][4]) == sampled["targets"] != live["targets"]
+    with pytest.raises(ShardlmError, match="does not share the student's tokenizer .*'<.im_start.>': absent in the "
+                                           "student's 257 tokens, 257 in the teacher's 259"):
+        step("plain", **{"model.chat_template": "plain"})

@@ -84,9 +84,10 @@ def tokenizer_difference(student: Any, teacher: Any) -> str | None:
     if sv != tv:
         differ = sorted((t for t in sv.keys() | tv.keys() if sv.get(t) != tv.get(t)),
                         key=lambda t: min(sv.get(t, 1 << 62), tv.get(t, 1 << 62)))
-        return (f"{len(differ):,} token{'s' * (len(differ) != 1)} map to other ids, e.g. {differ[0]!r}: "
-                f"{sv.get(differ[0])} in the student's ({len(sv):,} tokens), {tv.get(differ[0])} in the teacher's "
-                f"({len(tv):,})")
+        t = differ[0]
+        return (f"{len(differ):,} token{'s' * (len(differ) != 1)} map to other ids, e.g. {t!r}: "
+                f"{sv.get(t, 'absent')} in the student's {len(sv):,} tokens, {tv.get(t, 'absent')} in the teacher's "
+                f"{len(tv):,}")
     for what in ("eos_token_id", "bos_token_id"):
         if getattr(student, what, None) != getattr(teacher, what, None):
             return f"the {what} differs: {getattr(student, what, None)} vs {getattr(teacher, what, None)}"
