@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardlm.distributed import context
-from tests.helpers import records, shardlm_cli, tiny
+from tests.helpers import records, save_lora_base, shardlm_cli, tiny
 
 # 30 tokens: not a multiple of 2 x context, so every split pads (the padding must never be scored)
 LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
@@ -78,7 +78,11 @@ def test_data_2_x_context_2_equals_one_process_and_resumes_on_one_rank(corpus, c
 
 
 def test_packed_examples_split_over_2_ranks_train_what_one_process_trains(cache_dir, tmp_path):
-    chat = {**LLAMA, **CHAT, "checkpoint.every": 0}
+    """With LoRA and activation checkpointing (the recompute attends inside the split too)."""
+    base = save_lora_base(tmp_path / "base", "llama", seed=0)
+    train = {k: v for k, v in LLAMA.items() if not k.startswith("model.")}  # the base's shape: Llama with GQA
+    chat = {**train, **CHAT, "model.chat_template": "plain", "checkpoint.every": 0, "model.name": base, "lora.r": 4,
+            "parallel.activation_checkpointing": "full"}
     curves = []
     for name, nproc, extra in (("one", 0, {}), ("cp2", 2, {"parallel.context": 2})):
         shardlm_cli(["train", *tiny(Path("unused"), cache_dir, tmp_path / name, **chat, **extra)], nproc=nproc)
@@ -130,5 +134,5 @@ def test_estimate_counts_each_ranks_share_of_the_row_and_the_split():
     one, two = (estimate(cfg, model_tokenizer(cfg.model), 2) for cfg in
                 (load_config(None, [*keys, f"parallel.context={n}"]) for n in (1, 2)))
     assert two.components["activations"] == pytest.approx(one.components["activations"] / 2)
-    # the mask (1024 x 2048, booleans and fp32) and 2 layers' gathered keys and values (2048 x 2 x 2 heads x 16 x 4)
-    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 * 5 + 2 * 2048 * 2 * 32 * 4
+    # the mask (1024 x 2048 in fp32) and 2 layers' gathered keys and values, repeated to the 4 query heads (x 16 x 4)
+    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 * 4 + 2 * 2048 * 2 * 64 * 4

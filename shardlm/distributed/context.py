@@ -108,12 +108,14 @@ def share(length: int, n: int) -> int:
 
 
 def split_bytes(hf_cfg, rows: int, length: int, n: int, itemsize: int, layers: int) -> float:
-    """What the split adds on a rank (`shardlm estimate`): the mask of its queries against the whole row (booleans,
-    and once in the compute dtype), and each layer's gathered keys and values, which autograd keeps for the backward."""
-    heads = getattr(hf_cfg, "num_key_value_heads", None) or hf_cfg.num_attention_heads
+    """What the split adds on a rank (`shardlm estimate`): the mask of its queries against the whole row (in the
+    compute dtype), and each layer's gathered keys and values, which autograd keeps for the backward: repeated to
+    every query head, as transformers does before SDPA under a mask (grouped-query SDPA would not take the kernels
+    that run masks on CUDA)."""
+    heads = hf_cfg.num_attention_heads
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     whole = length + -length % (2 * n)
-    return rows * share(length, n) * whole * (1 + itemsize) + layers * rows * whole * 2 * heads * head_dim * itemsize
+    return rows * share(length, n) * whole * itemsize + layers * rows * whole * 2 * heads * head_dim * itemsize
 
 
 def head_tail(length: int, n: int) -> torch.Tensor:
@@ -160,9 +162,11 @@ def split_step(dist: Dist, hf_config, inputs: torch.Tensor, targets: torch.Tenso
     if not isinstance(ctx, Context):
         yield inputs, targets, positions
         return
-    inputs, targets, positions, mask = split(ctx, inputs, targets, positions)
+    inputs, targets, positions, visible = split(ctx, inputs, targets, positions)
+    masks = {torch.bool: visible}  # the only reference: the first layer swaps it for the additive mask
+    del visible
     before = hf_config._attn_implementation
-    hf_config._attn_implementation, _active[0] = CONTEXT_ATTENTION, (ctx.group, {torch.bool: mask})
+    hf_config._attn_implementation, _active[0] = CONTEXT_ATTENTION, (ctx.group, masks)
     try:
         yield inputs, targets, positions
     finally:
@@ -178,7 +182,8 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
 
     group, masks = _active[0]
     if query.dtype not in masks:
-        masks[query.dtype] = additive(masks[torch.bool], query.dtype)
+        visible = masks.pop(torch.bool) if torch.bool in masks else next(iter(masks.values())) == 0
+        masks[query.dtype] = additive(visible, query.dtype)
     key, value = flex_cp_allgather(key, value, 2, group)
     return sdpa_attention_forward(module, query, key, value, masks[query.dtype], **kwargs)
 
