@@ -34,7 +34,14 @@ from shardlm.models.loss import IGNORE
 from shardlm.training.build import Run
 from shardlm.training.distill_samples import on_policy_step, row_keys, step_completions
 from shardlm.training.preference import reshard
-from shardlm.training.teacher import identity_key, load_teacher, teacher_changed, teacher_identity, teacher_source
+from shardlm.training.teacher import (
+    check_teacher_tokenizer,
+    identity_key,
+    load_teacher,
+    teacher_changed,
+    teacher_identity,
+    teacher_source,
+)
 from shardlm.training.teacher_scores import TeacherScores, prepare_teacher_topk
 from shardlm.training.validate import Share
 
@@ -62,13 +69,21 @@ class Distill:
     def __init__(self, run: Run):
         self.run, self.d, self.cfg = run, run.cfg.distill, run.cfg
         self.vocab = len(run.tokenizer)
-        src = teacher_source(self.d.teacher)
-        self.identity = teacher_identity(src)
+        self.src = teacher_source(self.d.teacher)
+        self.identity = teacher_identity(self.src)
         self.key = identity_key(self.identity)
-        self.teacher: CausalLM | None = load_teacher(run.cfg, run, src)
+        self.teacher: CausalLM | None = None
+        if self.d.teacher_topk > 0:  # built in `prepare` only if it has data to score: its scores stand for it
+            check_teacher_tokenizer(run.tokenizer, self.src, run.cfg.model.trust_remote_code)
+        else:
+            self.teacher = self._load()
         self.scores: TeacherScores | None = None
         as_forward(run.model, "distill")
-        as_forward(self.teacher, "teacher_view")
+
+    def _load(self) -> CausalLM:
+        teacher = load_teacher(self.cfg, self.run, self.src)
+        as_forward(teacher, "teacher_view")
+        return teacher
 
     # ---- what the run's state keeps: the teacher's identity -------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -82,13 +97,14 @@ class Distill:
 
     # ---- one micro-batch ---------------------------------------------------------------------------------------
     def prepare(self, trainer: Trainer) -> None:
-        """Top-K: the stored scores, scored now if the run is at step 0; the teacher is then let go."""
+        """Top-K: the stored scores, scored now (a scoring cut short continued) if the run is at step 0, the teacher
+        built for it and let go after; past step 0 they must exist, and no teacher is built."""
         if self.d.teacher_topk <= 0 or self.scores is not None:
             return
-        self.scores = prepare_teacher_topk(self.run, self.teacher, self.d.teacher_topk, self.d.temperature,
+        scorer = self._load() if trainer.step == 0 else None
+        self.scores = prepare_teacher_topk(self.run, scorer, self.d.teacher_topk, self.d.temperature,
                                            identity=self.identity, step=trainer.step, batch=trainer.batch,
                                            autocast=trainer.autocast)
-        self.teacher = None  # its memory goes back to the student
 
     def teacher_for(self, batch: Batch, split: str, indices: np.ndarray | None) -> LiveTeacher | TopKTeacher:
         if self.scores is not None:
