@@ -27,10 +27,6 @@ def check_distill(cfg: Config) -> None:
     if not d.teacher:
         raise ShardlmError("train.objective=distill needs a teacher: set distill.teacher to an HF model folder, a hub "
                            "name, a shardlm run folder or an export sharing the student's tokenizer.")
-    if cfg.parallel.context > 1:
-        raise ShardlmError(f"train.objective=distill does not split rows over ranks (parallel.context="
-                           f"{cfg.parallel.context}): the teacher scores whole rows. Set parallel.context=1, or "
-                           "shorten data.seq_len to fit a rank.")
     if cfg.data.format == "preference":
         raise ShardlmError("train.objective=distill trains on text or examples, not preference pairs "
                            "(data.format=preference): use prompt/completion or chat data, or train.objective=dpo.")
