@@ -22,7 +22,7 @@ from shardlm.config.checks import ac_mode, wrap_size
 from shardlm.distributed import checkpointing, context, wrapping
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora, nf4
-from shardlm.models.causal_lm import CausalLM, transformer_blocks
+from shardlm.models.causal_lm import FORWARDS, CausalLM, transformer_blocks
 
 # strategy -> (hybrid 2-D mesh?, reshard_after_forward). no_shard is a 2-D mesh whose shard dim is 1.
 STRATEGIES = {
@@ -291,8 +291,8 @@ def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, d
         last = i == len(blocks) - 1
         sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))
     fully_shard(model, **kwargs)
-    register_fsdp_forward_method(model, "sequence_logps")  # a forward too: the root's gathers, its reshard
-    register_fsdp_forward_method(model, "completion_logps")  # online RL's (shardlm.training.rl_step)
+    for name in FORWARDS:  # forwards too (preference pairs', online RL's, distillation's): the root's gathers
+        register_fsdp_forward_method(model, name)
     if p.prefetch > 0 and len(blocks) > 1:
         depth = p.prefetch
         for i, unit in enumerate(sharded):

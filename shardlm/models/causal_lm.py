@@ -284,7 +284,7 @@ def target_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return logps, (entropy if with_entropy else None)
 
 
-# CausalLM's forwards besides `forward`: FSDP2 registers them (parallelize the first two, distillation its own)
+# CausalLM's forwards besides `forward`: parallelize registers them with FSDP2, before_every_forward hooks them
 FORWARDS = ("sequence_logps", "completion_logps", "distill", "teacher_view")
 
 

@@ -54,15 +54,6 @@ PARTS = ("distill", "nll", "teacher_entropy", "student_entropy")  # distill_loss
 RECORDS = ("distill/loss", "distill/nll", "distill/teacher_entropy", "distill/student_entropy", "distill/on_policy")
 
 
-def as_forward(model: nn.Module, name: str) -> None:
-    """A CausalLM method run as a forward of its own under FSDP2 (the root unit gathered around it, as parallelize
-    registers `sequence_logps`)."""
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-
-    if isinstance(model, FSDPModule):
-        register_fsdp_forward_method(model, name)
-
-
 class Distill:
     """The objective of a distillation run: its teacher (live, or its stored top-K scores) and the step."""
 
@@ -78,12 +69,9 @@ class Distill:
         else:
             self.teacher = self._load()
         self.scores: TeacherScores | None = None
-        as_forward(run.model, "distill")
 
     def _load(self) -> CausalLM:
-        teacher = load_teacher(self.cfg, self.run, self.src)
-        as_forward(teacher, "teacher_view")
-        return teacher
+        return load_teacher(self.cfg, self.run, self.src)
 
     # ---- what the run's state keeps: the teacher's identity -------------------------------------------------
     def state(self) -> dict[str, Any]:
