@@ -1,22 +1,14 @@
-import os
 import re
-import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from test_readme import runnable, small_overrides
+from doc_commands import DOCS, doc_pages, run_page_commands
 
+from helpers import ROOT
 from shardlm.config import load_config
 from shardlm.docs import readme_block
-
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
-# A guide whose commands are shown at their real size (a GPU config, 4 or 8 ranks) carries this line; its
-# `shardlm train`/`tune` commands then run with tests/test_readme.py's tiny overrides and at most 2 ranks.
-TINY_RUNS = "<!-- test_docs: tiny runs"
 
 
 def test_config_reference_matches_code():
@@ -43,38 +35,15 @@ def test_configs_ship_in_the_package_and_the_checkout_links_to_them():
     assert '"configs/*.yaml"' in (ROOT / "pyproject.toml").read_text()  # [tool.setuptools.package-data]
 
 
-DOC_PAGES = sorted(p for p in DOCS.glob("*.md") if "```bash" in p.read_text())
+# finetune.md, the slowest page (~200 s loaded: three trainings over GPT-2's vocabulary), runs in
+# tests/test_docs_finetune.py, a file of its own, so that `pytest --dist loadfile` runs it beside this file's pages
+# instead of after them on the same worker.
+DOC_PAGES = [p for p in doc_pages() if p.name != "finetune.md"]
 
 
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
 def test_doc_page_commands_run_as_written(page, tmp_path, corpus, cache_dir):
-    """Each line of a docs page's bash blocks runs, in order, in a fresh folder (offline, on the CPU); the
-    page's first `text` block is the output of its first dry run, so the page shows what the command prints.
-    On a page marked TINY_RUNS, train/tune commands get the README test's tiny overrides (`configs/` is there)."""
-    text = page.read_text()
-    lines = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.splitlines()]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "SHARDLM_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
-    tiny_runs = TINY_RUNS in text
-    if tiny_runs:
-        (tmp_path / "configs").symlink_to(ROOT / "configs")
-    small = small_overrides(corpus, cache_dir)
-    outputs = []
-    for argv in (shlex.split(line, comments=True) for line in lines):
-        if not argv:
-            continue
-        if tiny_runs:
-            cmd = runnable(argv, small)
-            assert cmd is not None, f"{page.name}: {shlex.join(argv)} is not run"
-        else:
-            cmd = [*{"shardlm": [sys.executable, "-m", "shardlm"], "python": [sys.executable]}[argv[0]], *argv[1:]]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{page.name}: {shlex.join(argv)}\n{proc.stdout}\n{proc.stderr}"
-        outputs.append((argv, proc.stdout))
-    shown = re.findall(r"```text\n(.*?)```", text, re.S)
-    dry = next((out for argv, out in outputs if "--dry-run" in argv), None)
-    if shown and dry is not None:
-        assert dry.strip() == shown[0].strip(), f"{page.name}: the dry run now prints\n{dry}"
+    run_page_commands(page, tmp_path, corpus, cache_dir)
 
 
 def test_mkdocs_nav_lists_every_page():
