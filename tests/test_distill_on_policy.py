@@ -1,7 +1,8 @@
 """On-policy distillation (shardlm.training.distill_samples): which steps train on the student's completions (keyed
 by seed and step: a share near distill.on_policy, the same on every run), and what such a step trains on: each
 example's prompt with a completion the student samples, exactly what the RL sampler draws for that prompt with the
-example's keyed seed, its tokens the targets."""
+example's keyed seed, its tokens the targets, scored by the teacher as the whole-logits reference scores them; 2
+ranks sample and train what one process does."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny
+from helpers import records, shardlm_cli, tiny
 from shardlm.data.blocks import IGNORE
 
 
@@ -107,3 +108,59 @@ def segments(batch) -> list[tuple[list[int], list[int]]]:
                 out.append((inputs[a:first + 1].tolist(), targets[first:last + 1].tolist()))
                 assert inputs[first + 1:last + 2].tolist() == out[-1][1]
     return out
+
+
+def on_policy_args(chat_file, cache_dir, out, teacher, **extra) -> list[str]:
+    return tiny(chat_file, cache_dir, out, **{
+        "train.objective": "distill", "distill.teacher": teacher, "model.chat_template": "chatml",
+        "data.seq_len": 64, "model.n_positions": 64, "model.dropout": 0.0, "distill.max_new_tokens": 8,
+        "distill.beta": 0.5, "distill.alpha": 0.7, **extra})
+
+
+def test_an_on_policy_step_is_the_teachers_loss_on_the_students_samples(chat_file, cache_dir, tmp_path):
+    """With distill.on_policy=1 the step trains on the micro-batch `student_completions` gives (the student's keyed
+    samples, drawn before the step) and its loss is the whole-logits reference's on that batch, the teacher scoring
+    the sampled tokens; distill/on_policy counts all of them."""
+    from test_distill_training import save_teacher
+
+    from shardlm.config import load_config
+    from shardlm.models.distill_loss import full_distill_loss
+    from shardlm.training.distill_samples import row_keys, student_completions
+    from shardlm.training.trainer import Trainer
+
+    teacher = save_teacher(tmp_path / "teacher", seed=0, chatml=True)
+    cfg = load_config(None, on_policy_args(chat_file, cache_dir, tmp_path / "run", teacher, **{
+        "distill.on_policy": 1.0, "train.batch_size": 4}))
+    trainer = Trainer.from_config(cfg)
+    student, frozen = trainer.model, trainer.distill.teacher
+    sampled = student_completions(student, trainer._train_batch(0), trainer.run.tokenizer, cfg, row_keys(0, 4))
+    inputs, positions = sampled.inputs, sampled.positions
+    with torch.no_grad():
+        want, _ = full_distill_loss(student.hf(inputs, position_ids=positions).logits,
+                                    frozen.hf(inputs, position_ids=positions).logits, sampled.targets, beta=0.5,
+                                    temperature=1.0, alpha=0.7, vocab=259)
+    result = trainer.train_step()
+    targets = int((sampled.targets != IGNORE).sum())
+    assert result["targets"] == targets and float(result["stats"][4]) == targets
+    assert float(result["loss_sum"]) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_two_ranks_sample_and_train_what_one_process_does(chat_file, cache_dir, tmp_path):
+    """distill.on_policy=0.5 over 6 steps (4 of them on the student's samples, keyed by the seed and the step):
+    2 ranks x 2 accumulated micro-batches of 1 row sample the same completions and train the same losses as one
+    process with rows of 4."""
+    from test_distill_training import save_teacher
+
+    teacher = save_teacher(tmp_path / "teacher", seed=0, chatml=True)
+
+    def args(out, **extra):
+        return ["train", *on_policy_args(chat_file, cache_dir, out, teacher, **{
+            "distill.on_policy": 0.5, "train.max_steps": 6, **extra})]
+
+    shardlm_cli(args(tmp_path / "one", **{"train.batch_size": 4}))
+    shardlm_cli(args(tmp_path / "two", **{"train.batch_size": 1, "train.grad_accum": 2}), nproc=2)
+    got, want = records(tmp_path / "two"), records(tmp_path / "one")
+    assert [r["distill/on_policy"] for r in want] == [1, 1, 1, 1, 0, 0]
+    keys = ("loss", "distill/loss", "distill/nll", "distill/on_policy")
+    for a, b in zip(got, want, strict=True):
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-5, abs=1e-5)
