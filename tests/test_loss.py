@@ -63,11 +63,11 @@ def test_chunked_loss_saves_memory(corpus, cache_dir, tmp_path):
     peaks = {}
     for chunk in (0, 256):
         cfg = load_config(None, tiny(corpus, cache_dir, tmp_path / str(chunk),
-                                     **{**GPT2_VOCAB, "train.batch_size": 16, "train.loss_chunk_size": chunk}))
+                                     **{**GPT2_VOCAB, "train.batch_size": 8, "train.loss_chunk_size": chunk}))
         trainer = Trainer.from_config(cfg)
         trainer.train_step()
         peaks[chunk] = measure_step_peak(trainer)
-    assert peaks[256] < 0.6 * peaks[0]
+    assert peaks[256] < 0.6 * peaks[0], peaks  # 0.42 at batch 8 (886 MB plain, 371 MB chunked)
 
 
 @pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
