@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from faults import fault
 
-from helpers import records, shardlm_cli, tiny
+from helpers import by_step, records, shardlm_cli, tiny
 from shardlm.data.blocks import IGNORE
 
 
@@ -148,7 +149,8 @@ def test_an_on_policy_step_is_the_teachers_loss_on_the_students_samples(chat_fil
 def test_two_ranks_sample_and_train_what_one_process_does(chat_file, cache_dir, tmp_path):
     """distill.on_policy=0.5 over 6 steps (4 of them on the student's samples, keyed by the seed and the step):
     2 ranks x 2 accumulated micro-batches of 1 row sample the same completions and train the same losses as one
-    process with rows of 4."""
+    process with rows of 4; a run killed after its step-3 checkpoint resumes to the uninterrupted losses (its next
+    step samples again, with nothing of the sampling in the checkpoint)."""
     from test_distill_training import save_teacher
 
     teacher = save_teacher(tmp_path / "teacher", seed=0, chatml=True)
@@ -164,3 +166,9 @@ def test_two_ranks_sample_and_train_what_one_process_does(chat_file, cache_dir, 
     keys = ("loss", "distill/loss", "distill/nll", "distill/on_policy")
     for a, b in zip(got, want, strict=True):
         assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], rel=1e-5, abs=1e-5)
+    resumed = args(tmp_path / "resumed", **{"train.batch_size": 4, "checkpoint.every": 3})
+    assert shardlm_cli([*resumed, fault("KillAfterSave(3)")], check=False).returncode != 0
+    shardlm_cli(resumed)
+    got_steps, want_steps = by_step(tmp_path / "resumed"), by_step(tmp_path / "one")
+    assert list(got_steps) == list(want_steps)
+    assert list(got_steps.values()) == pytest.approx(list(want_steps.values()), rel=1e-6)
