@@ -151,11 +151,3 @@ def student_completions(model: Any, batch: Batch, tokenizer: Any, cfg: Any, keys
     position); `keys` are the rows' global positions in the data order (`row_keys`)."""
     return step_completions(model, [batch], tokenizer, cfg, [keys], autocast)[0]
 
-
-def completion_counts(batch: Batch) -> tuple[int, int]:
-    """(completions, completion tokens) of a sampled micro-batch: the examples that have targets, and the targets."""
-    assert batch.positions is not None
-    scored = batch.targets != IGNORE
-    segment = (batch.positions == 0).cumsum(1)  # an example's number within its row
-    examples = torch.unique(segment[scored] + (batch.positions.shape[1] + 1) * torch.nonzero(scored)[:, 0])
-    return len(examples), int(scored.sum())
