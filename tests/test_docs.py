@@ -35,10 +35,16 @@ def test_configs_ship_in_the_package_and_the_checkout_links_to_them():
     assert '"configs/*.yaml"' in (ROOT / "pyproject.toml").read_text()  # [tool.setuptools.package-data]
 
 
-# finetune.md, the slowest page (~200 s loaded: three trainings over GPT-2's vocabulary), runs in
-# tests/test_docs_finetune.py, a file of its own, so that `pytest --dist loadfile` runs it beside this file's pages
-# instead of after them on the same worker.
-DOC_PAGES = [p for p in doc_pages() if p.name != "finetune.md"]
+# The two slowest pages run in files of their own, so that `pytest --dist loadfile` runs them beside this file's
+# pages instead of after them on the same worker: finetune.md (three trainings over GPT-2's vocabulary) in
+# tests/test_docs_finetune.py, chat.md (chat_tiny's training, eval --exact-match, generate --chat) in test_docs_chat.py.
+OWN_FILES = {"finetune.md": "test_docs_finetune.py", "chat.md": "test_docs_chat.py"}
+DOC_PAGES = [p for p in doc_pages() if p.name not in OWN_FILES]
+
+
+def test_pages_in_files_of_their_own_are_run_there():
+    for page, test_file in OWN_FILES.items():
+        assert f'DOCS / "{page}"' in (ROOT / "tests" / test_file).read_text(), (page, test_file)
 
 
 @pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
