@@ -111,6 +111,49 @@ def _model(cfg: Config, pl: Plan) -> tuple[object | None, object | None, list[st
                                f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens", *filter(None, [memory])]
 
 
+def _teacher_lines(cfg: Config, tokenizer) -> list[str]:
+    """train.objective=distill: the teacher found, its tokenizer checked against the student's and its config read
+    (parameters counted on `meta`, no weights loaded) by the run's own functions, and the loss's settings."""
+    from shardlm.hub import hub_reachable
+    from shardlm.models.causal_lm import num_params
+    from shardlm.models.instantiate import empty_model
+    from shardlm.training.teacher import check_teacher_tokenizer, teacher_hf_config, teacher_source, teacher_tokenizer
+
+    if cfg.train.objective != "distill":
+        return []
+    d = cfg.distill
+    src = teacher_source(d.teacher)
+    try:
+        teacher_tok = teacher_tokenizer(src, cfg.model.trust_remote_code)
+    except ShardlmError as e:
+        if src.checkpoint is None and "cannot be reached" in str(e) and not hub_reachable():
+            return [f"teacher: {src.describe()}; not checked: a hub name the Hub cannot give offline (it downloads "
+                    "when online)", _loss_line(cfg)]
+        raise
+    if tokenizer is not None:
+        check_teacher_tokenizer(tokenizer, src, teacher_tok=teacher_tok)
+    hf_cfg = teacher_hf_config(cfg, src, teacher_tok)
+    n = num_params(empty_model(hf_cfg, "meta"))
+    shared = "the student's tokenizer" if tokenizer is not None else "its tokenizer not compared (the student's " \
+        "cannot be reached)"
+    return [f"teacher: {src.describe()}, {n / 1e6:.2f}M parameters, {hf_cfg.num_hidden_layers} layers "
+            f"({hf_cfg.model_type}), vocabulary {len(teacher_tok)} tokens ({hf_cfg.vocab_size} head rows); {shared}; "
+            "frozen, sharded as the student", _loss_line(cfg)]
+
+
+def _loss_line(cfg: Config) -> str:
+    d = cfg.distill
+    kind = "forward KL(teacher||student)" if d.beta == 0 else "reverse KL(student||teacher)" if d.beta == 1 else \
+        "generalized JSD"
+    mix = "distillation alone" if d.alpha == 1 else f"{d.alpha:g} x distillation + {1 - d.alpha:g} x next-token loss"
+    scores = f"the teacher's top-{d.teacher_topk} log-probs stored once before the first step" \
+        if d.teacher_topk else "the live teacher each step"
+    policy = f"; on-policy on {d.on_policy:.0%} of the steps (completions of up to {d.max_new_tokens} tokens at " \
+        f"sample_temperature {d.sample_temperature:g})" if d.on_policy else "; off-policy (the data's answers)"
+    return f"distill: beta {d.beta:g} ({kind}), temperature {d.temperature:g}, alpha {d.alpha:g} ({mix}); " \
+        f"{scores}{policy}"
+
+
 def _resume_lines(cfg: Config, hf_cfg, path: Path | None) -> tuple[list[str], int | None]:
     """The checks a run makes on the checkpoint it resumes (Checkpointer.load), before loading it; the
     checkpoint's step (None: nothing to resume)."""
@@ -225,6 +268,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     device, pl = checks.planned(cfg, world_size)
     _, resumed = checks.check_setup(cfg, pl, device)
     tokenizer, hf_cfg, model_lines = _model(cfg, pl)
+    model_lines += _teacher_lines(cfg, tokenizer)
     d = cfg.data
     specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
         [("data.train", d.train)]

@@ -15,6 +15,9 @@ gathered at once, the KV cache of the rank's completions of a round and the samp
 `generation_bytes`); the peak is the largest of the three phases. Its micro-batches are rows as
 shardlm.training.rl_step packs them (`rl_rows`). With `grpo.beta > 0` and no LoRA the frozen reference is one more
 model, sharded as the policy.
+
+Distillation (`train.objective=distill`) adds its frozen teacher and replaces the loss's rows by distill_loss's
+chunks of both models' logits (shardlm.preflight.distill_memory).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import SHARED_PREFIX_FAMILIES, auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
 from shardlm.models.instantiate import empty_model
+from shardlm.preflight.distill_memory import distill_memory
 from shardlm.training.optim.optimizers import state_bytes_estimate
 
 GB = 2**30
@@ -49,11 +53,13 @@ class Estimate:
     components: dict[str, float]  # bytes
     peak_bytes: float
     host: dict[str, float] = field(default_factory=dict)  # bytes in CPU RAM beside the device's peak (offload)
+    notes: list[str] = field(default_factory=list)  # what is not device memory at the peak (a store on disk)
 
     def table(self) -> str:
         rows = [f"  {k:<48} {v / GB:8.3f} GiB" for k, v in self.components.items()]
         host = [f"  {'in CPU RAM: ' + k:<48} {v / GB:8.3f} GiB" for k, v in self.host.items()]
-        return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB", *host])
+        return "\n".join([*rows, f"  {'estimated peak per rank':<48} {self.peak_bytes / GB:8.3f} GiB", *host,
+                          *(f"  {n}" for n in self.notes)])
 
 
 def four_bit_params(blocks: torch.nn.ModuleList) -> int:
@@ -211,6 +217,14 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         head = meta.get_output_embeddings()
         forward = {k: v for k, v in forward.items() if not k.startswith("loss")} | \
             rl_loss_bytes(cfg, V, C, csize, head is not None and head.weight.requires_grad)
+    notes: list[str] = []
+    if cfg.train.objective == "distill":  # the teacher beside the student; distill_loss's chunks replace the loss's
+        head = meta.get_output_embeddings()
+        dm = distill_memory(cfg, tokens, shard, csize, on_device, use_fsdp, chunk,
+                            (V, C, head is not None and head.weight.requires_grad), tokenizer)
+        comp.update(dm.resident)
+        forward = {k: v for k, v in forward.items() if not k.startswith("loss")} | dm.loss
+        notes = dm.notes
     grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
     phase = forward if sum(forward.values()) >= grads else \
         {"gradients (fp32, sharded; peak at the optimizer step)": grads}
@@ -222,7 +236,7 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     comp.update(phase)
     comp["batch and framework overhead"] = tokens * 8 * 2 + 16 * 2**20
     peak = sum(comp.values())
-    return Estimate(total, comp, peak, host)
+    return Estimate(total, comp, peak, host, notes)
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:

@@ -170,6 +170,11 @@ def check_data(cfg: Config, hf_cfg: Any, train: Split, val: Split, world: int,
         if hf_cfg is not None:
             check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
         check_objective(cfg, train, val)
+    if cfg.train.objective == "distill" and cfg.distill.on_policy > 0 and \
+            not all(isinstance(part, ExampleRows) for part in getattr(train, "parts", [train])):
+        raise ShardlmError(f"distill.on_policy={cfg.distill.on_policy} samples the student's answers to the "
+                           "examples' prompts, and data.train was read as text blocks, which have none: give "
+                           "examples (prompt/completion or chat records), or set distill.on_policy=0.")
     total = count_steps(cfg, train, world)
     check_schedule(cfg.train, total, optimizers.optimizer_name(cfg.train.optimizer))
     note = long_warmup(cfg, total)
