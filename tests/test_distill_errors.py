@@ -1,4 +1,4 @@
-"""Distillation's bad input (docs/errors.md rows 210-219): `shardlm train` and `--dry-run` refuse it with the same
+"""Distillation's bad input (docs/errors.md rows 210-220): `shardlm train` and `--dry-run` refuse it with the same
 one line, and leave no run folder behind; `shardlm estimate` counts the teacher and the loss's chunks of both
 models within 15% of a distillation step's measured peak."""
 
@@ -57,12 +57,16 @@ def refused_alike(folder: Path, overrides: list[str], message: str) -> None:
     assert not (folder / "run").exists()
 
 
-def test_the_loss_settings_out_of_range_are_refused(folder):  # rows 213-215
+def test_the_loss_settings_out_of_range_are_refused(folder):  # rows 213-216, 220
     for overrides, message in [
         (["distill.beta=1.5"], r"^distill.beta must be in \[0, 1\] \(0 = forward KL.*got 1.5.$"),
         (["distill.alpha=-0.1"], r"^distill.alpha must be in \[0, 1\] \(1 = distillation alone.*got -0.1.$"),
         (["distill.on_policy=2"], r"^distill.on_policy must be in \[0, 1\] .*got 2.0.$"),
         (["distill.temperature=0"], r"^distill.temperature must be > 0 .*got 0.0.$"),
+        (["distill.teacher_topk=-1"], r"^distill.teacher_topk must be >= 0 .*got -1.$"),
+        (["distill.on_policy=0.5", "distill.teacher_topk=4"], r"^distill.teacher_topk=4 stores the teacher's scores "
+                                                              r"of the data once, and cannot cover the completions"),
+        (["distill.on_policy=0.5"], r"^distill.max_new_tokens=128 leaves no room for a prompt in data.seq_len=32"),
     ]:
         refused_alike(folder, overrides, message)
 
@@ -81,7 +85,7 @@ def test_a_teacher_missing_not_loading_or_of_other_tokens_is_refused(folder):  #
         refused_alike(folder, overrides, message)
 
 
-def test_data_distillation_cannot_train_on_is_refused(folder):  # rows 216-218
+def test_data_distillation_cannot_train_on_is_refused(folder):  # rows 217-218
     for overrides, message in [
         (["distill.on_policy=0.5", "distill.max_new_tokens=8"],
          r"^distill.on_policy=0.5 samples the student's answers to the examples' prompts, and data.train was read "
