@@ -170,7 +170,8 @@ class Reporter:
             self.stats = None
         target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
-        mfu = self.flops_per_token * tps / (self.peak_flops * self.dist.data_parallel) if self.peak_flops else None
+        chips = self.dist.data_parallel * self.dist.context_size  # a row split by context runs on all N chips
+        mfu = self.flops_per_token * tps / (self.peak_flops * chips) if self.peak_flops else None
         if self.rl or self.run.cfg.train.objective in RL_OBJECTIVES:  # the rates of what was sampled and trained
             pref, target_fraction, mfu = self._rl_record(), 1.0, None
             tps = pref.pop("tokens_per_s")
