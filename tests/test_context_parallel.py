@@ -3,6 +3,7 @@ process trains. A tiny Llama from scratch (RoPE, grouped-query attention), fp32,
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -103,7 +104,7 @@ def test_bad_context_settings_are_one_line_errors(corpus, cache_dir, tmp_path, e
     assert re.search(message, proc.stderr)
 
 
-def test_family_attention_and_objective_the_split_cannot_run_are_refused():
+def test_family_attention_and_objective_the_split_cannot_run_are_refused(monkeypatch):
     from transformers import GPT2Config, LlamaConfig, MistralConfig
 
     from shardlm import ShardlmError
@@ -122,6 +123,10 @@ def test_family_attention_and_objective_the_split_cannot_run_are_refused():
         context.check_plan(load_config(None, ["parallel.context=2", "train.objective=dpo"]), 2, torch.device("cpu"))
     with pytest.raises(ShardlmError, match="parallel.context=2 is not supported on XLA"):
         context.check_plan(cfg, 2, torch.device("xla"))
+    # torch 2.9 (the lowest declared) has no _context_parallel module: a None entry makes its import fail alike
+    monkeypatch.setitem(sys.modules, "torch.distributed.tensor.experimental._context_parallel", None)
+    with pytest.raises(ShardlmError, match="needs PyTorch's context-parallel module .* or set parallel.context=1"):
+        context.check_plan(cfg, 2, torch.device("cpu"))
 
 
 def test_estimate_counts_each_ranks_share_of_the_row_and_the_split():

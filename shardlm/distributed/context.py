@@ -47,6 +47,13 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
     if device.type == "xla":
         raise ShardlmError(f"parallel.context={n} is not supported on XLA (its SPMD mesh has no context dimension); "
                            "use parallel.context=1 there, or run on CUDA or CPU.")
+    try:  # PyTorch's context-parallel pieces this split is built on (absent from torch 2.9)
+        from torch.distributed.tensor.experimental._context_parallel import flex_cp_allgather  # noqa: F401
+    except ImportError:
+        raise ShardlmError(f"parallel.context={n} needs PyTorch's context-parallel module "
+                           "(torch.distributed.tensor.experimental._context_parallel), which torch "
+                           f"{torch.__version__} lacks: install a newer torch (2.13 is tested), or set "
+                           "parallel.context=1.") from None
     if world_size % n:
         raise ShardlmError(f"parallel.context={n} does not divide the world size ({world_size} ranks): each row is "
                            f"split over {n} ranks of a data index. Launch a multiple of {n} ranks, or set "
