@@ -157,3 +157,16 @@ def generate_from_path(path, prompt: str, max_new_tokens: int = 200, temperature
 
     model, tokenizer = load_generator(str(path))
     return [s.text for s in iter_samples(model, tokenizer, [prompt], max_new_tokens, temperature, 0, 1.0, 0, 1)]
+
+
+def refusal(argv: list[str]) -> str:
+    """The message `shardlm ARGV` refuses with, in this process (the CLI prints it as `error: ...`, exit 2)."""
+    from shardlm import ShardlmError
+    from shardlm.cli import parse_args
+
+    args = parse_args(argv)
+    try:
+        args.fn(args)
+    except ShardlmError as e:
+        return str(e)
+    return ""

@@ -12,20 +12,7 @@ import pytest
 import torch
 from test_distill_training import save_teacher
 
-from helpers import GPT2_VOCAB, folder_digest, tiny
-from shardlm import ShardlmError
-
-
-def refusal(argv: list[str]) -> str:
-    """The message `shardlm ARGV` refuses with, in this process (the CLI prints it as `error: ...`, exit 2)."""
-    from shardlm.cli import parse_args
-
-    args = parse_args(argv)
-    try:
-        args.fn(args)
-    except ShardlmError as e:
-        return str(e)
-    return ""
+from helpers import GPT2_VOCAB, folder_digest, refusal, tiny
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import signal
 
 import pytest
 
+from helpers import refusal as run_refusal
 from helpers import tiny, train_in_process
 from shardlm import ShardlmError
 from shardlm.config import load_config
@@ -158,16 +159,10 @@ def refusal(argv: list[str]) -> str:
     `error: ...` and exits 2); '' if it ran."""
     import torch
 
-    from shardlm.cli import parse_args
-
-    args = parse_args(argv)
     try:
-        args.fn(args)
-    except ShardlmError as e:
-        return str(e)
+        return run_refusal(argv)
     finally:
         assert not torch.distributed.is_initialized()  # no case starts a process group (the CLI would exit)
-    return ""
 
 
 @pytest.mark.parametrize("row", list(CATALOGUE))

@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from helpers import tiny
-from shardlm import ShardlmError
+from helpers import refusal, tiny
 
 CHAT = [{"role": "user", "content": "Reverse: abc"}, {"role": "assistant", "content": "cba"}]
 REWARDS = '''
@@ -95,18 +94,6 @@ CASES = {  # row: (overrides, the message's telling part)
             "the training data has 18 prompts, fewer than one step's 20 \\(a global batch of 40 completions = 1 "
             "device x train.batch_size=40 x train.grad_accum=1, grpo.group=2 per prompt\\). Use more prompts"),
 }
-
-
-def refusal(argv: list[str]) -> str:
-    """The message `shardlm ARGV` refuses with, in this process (the CLI prints it as `error: ...`, exit 2)."""
-    from shardlm.cli import parse_args
-
-    args = parse_args(argv)
-    try:
-        args.fn(args)
-    except ShardlmError as e:
-        return str(e)
-    return ""
 
 
 @pytest.fixture
