@@ -8,7 +8,9 @@ A script runs as `python benchmarks/NAME.py` (or under torchrun), which puts thi
 from __future__ import annotations
 
 import platform
+import resource
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,3 +115,17 @@ def cap_memory(cap_gb: float | None) -> None:
 def tail(proc: subprocess.CompletedProcess, chars: int = 2500) -> str:
     """A failed subprocess in a few lines: its exit code, the end of its stdout and of its stderr."""
     return f"exit {proc.returncode}: " + (proc.stdout[-chars // 2:] + "\n" + proc.stderr[-chars:]).strip()
+
+
+def shardlm(*args: str) -> str:
+    """`python -m shardlm ARGS` from the repository root: its stdout, or the run's tail as the exit message."""
+    proc = subprocess.run([sys.executable, "-m", "shardlm", *args], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"shardlm {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc.stdout
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of the finished child processes (the trainings a demo ran)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

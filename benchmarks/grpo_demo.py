@@ -22,27 +22,13 @@ import json
 import math
 import os
 import platform
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, cpu_name
-
-
-def shardlm(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "shardlm", *args], capture_output=True, text=True, cwd=ROOT)
-    if proc.returncode != 0:
-        raise SystemExit(f"shardlm {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout
-
-
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+from common import ROOT, children_cpu_s, cpu_name, shardlm
 
 
 def answers(export: Path, heldout: int) -> list[dict]:
