@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from shardlm.data.blocks import Batch
 from shardlm.distributed import context
 from tests.helpers import records, save_lora_base, shardlm_cli, tiny
 
@@ -52,12 +53,15 @@ def test_head_tail_order_is_pytorchs_and_the_split_mask_is_one_processs_mask():
     order = context.head_tail(16, 2)
     for rank in range(2):
         ctx = SimpleNamespace(size=2, rank=rank)
-        inputs, tg, pos, mask = context.split(ctx, targets.clone(), targets, positions)  # type: ignore[arg-type]
+        segments = torch.tensor([[0] * 8 + [1] * 6])
+        mine_batch, mask = context.split(ctx, Batch(targets.clone(), targets, positions, segments))  # type: ignore[arg-type]
+        inputs, tg, pos, seg = mine_batch.inputs, mine_batch.targets, mine_batch.positions, mine_batch.segments
         mine = order.view(2, -1)[rank]
         assert torch.equal(mask[0, 0], causal[mine][:, order])
         assert torch.equal(pos[0], full[0, mine])
         assert torch.equal(inputs[0], torch.cat([targets[0], torch.zeros(2, dtype=torch.long)])[mine])
         assert (tg[0][mine >= 14] == -100).all() and (tg[0][mine < 14] == mine[mine < 14]).all()
+        assert torch.equal(seg[0], torch.cat([segments[0], torch.tensor([-1, -1])])[mine])
 
 
 def test_context_2_on_2_ranks_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
@@ -91,6 +95,22 @@ def test_packed_examples_split_over_2_ranks_train_what_one_process_trains(cache_
     assert_same_curve(*curves)
 
 
+def test_preference_pairs_split_over_2_ranks_train_what_one_process_trains(cache_dir, tmp_path):
+    """DPO against a live reference (a frozen copy of the initial model, which attends inside the split too): each
+    sequence's log-probability is summed over the ranks holding its tokens before the pair's loss."""
+    dpo = {**LLAMA, **CHAT, "data.train": "chat_pairs", "data.val": "chat_pairs_val", "data.seq_len": 90,
+           "model.n_positions": 96, "train.objective": "dpo", "preference.reference": "live", "checkpoint.every": 0}
+    curves = []
+    for name, nproc, extra in (("one", 0, {}), ("cp2", 2, {"parallel.context": 2})):
+        shardlm_cli(["train", *tiny(Path("unused"), cache_dir, tmp_path / name, **dpo, **extra)], nproc=nproc)
+        curves.append([(r["step"], r["loss"], r["grad_norm"], r["rewards/margin"]) for r in records(tmp_path / name)])
+    # step 1 agrees to 1e-7; AdamW then magnifies the pair sums' fp32 summation order (split vs whole) step by step
+    assert curves[1][0][2] == pytest.approx(curves[0][0][2], rel=1e-6)
+    assert_same_curve([c[:3] for c in curves[1]], [c[:3] for c in curves[0]], tol=1e-4)
+    assert [c[3] for c in curves[1]] == pytest.approx([c[3] for c in curves[0]], abs=1e-5)
+    assert curves[0][-1][3] != curves[0][0][3]  # the policy moved away from its reference
+
+
 @pytest.mark.parametrize("extra, message", [
     ({}, r"parallel.context=2 does not divide the world size \(1 ranks\)"),
 ])
@@ -119,8 +139,9 @@ def test_family_attention_and_objective_the_split_cannot_run_are_refused(monkeyp
         context.check_model(eager, cfg)
     with pytest.raises(ShardlmError, match="attends through a sliding window"):
         context.check_model(MistralConfig(sliding_window=16), cfg)
-    with pytest.raises(ShardlmError, match="with train.objective=dpo: rows are split"):
-        context.check_plan(load_config(None, ["parallel.context=2", "train.objective=dpo"]), 2, torch.device("cpu"))
+    with pytest.raises(ShardlmError, match="with train.objective=grpo: rows are split"):
+        context.check_plan(load_config(None, ["parallel.context=2", "train.objective=grpo",
+                                       "grpo.max_completion_length=16"]), 2, torch.device("cpu"))
     with pytest.raises(ShardlmError, match="parallel.context=2 is not supported on XLA"):
         context.check_plan(cfg, 2, torch.device("xla"))
     # torch 2.9 (the lowest declared) has no _context_parallel module: a None entry makes its import fail alike
@@ -139,5 +160,6 @@ def test_estimate_counts_each_ranks_share_of_the_row_and_the_split():
     one, two = (estimate(cfg, model_tokenizer(cfg.model), 2) for cfg in
                 (load_config(None, [*keys, f"parallel.context={n}"]) for n in (1, 2)))
     assert two.components["activations"] == pytest.approx(one.components["activations"] / 2)
-    # the mask (1024 x 2048 in fp32) and 2 layers' gathered keys and values, repeated to the 4 query heads (x 16 x 4)
-    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 * 4 + 2 * 2048 * 2 * 64 * 4
+    # the mask (1024 x 2048 in fp32) and 2 layers' gathered keys and values at the 2 key/value heads (x 16 x 4):
+    # on CPU, not repeated to the 4 query heads
+    assert two.components["context: the split's mask, gathered keys/values"] == 1024 * 2048 * 4 + 2 * 2048 * 2 * 32 * 4

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from shardlm import ShardlmError
 from shardlm.config import Config
+from shardlm.data.blocks import Batch
 from shardlm.distributed.process_group import Dist
 
 CONTEXT_ATTENTION = "shardlm_context"
@@ -35,8 +36,9 @@ CONTEXT_ATTENTION = "shardlm_context"
 CONTEXT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SDPA_NAMES = ("sdpa", "shardlm_sdpa")  # models.attention.CAUSAL_SDPA is "shardlm_sdpa"
 IGNORE = -100
+SPLIT_OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
 
-_active: list[Any] = [None]  # (process group name, mask) while a split step runs
+_active: list[Any] = [None]  # (Context, masks by dtype) while a split step runs
 
 
 def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
@@ -58,9 +60,10 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
         raise ShardlmError(f"parallel.context={n} does not divide the world size ({world_size} ranks): each row is "
                            f"split over {n} ranks of a data index. Launch a multiple of {n} ranks, or set "
                            f"parallel.context to a divisor of {world_size}.")
-    if cfg.train.objective != "sft":
+    if cfg.train.objective not in SPLIT_OBJECTIVES:
         raise ShardlmError(f"parallel.context={n} with train.objective={cfg.train.objective}: rows are split for "
-                           "the next-token loss (text and examples) only so far; use parallel.context=1 for it.")
+                           "the next-token loss (text and examples) and preference pairs only so far; use "
+                           "parallel.context=1 for it.")
 
 
 def check_model(hf_cfg, cfg: Config) -> None:
@@ -96,7 +99,8 @@ class Context:
         self.mesh = init_device_mesh(dist.device.type, (dist.world_size // size, size),
                                      mesh_dim_names=("data", "context"))
         self.rank = self.mesh["context"].get_local_rank()
-        self.group = c10d._get_process_group_name(self.mesh["context"].get_group())
+        self.process_group = self.mesh["context"].get_group()
+        self.group = c10d._get_process_group_name(self.process_group)
         AttentionInterface.register(CONTEXT_ATTENTION, attention_forward)
 
     def describe(self) -> str:
@@ -114,12 +118,15 @@ def share(length: int, n: int) -> int:
     return length if n == 1 else (length + -length % (2 * n)) // n
 
 
-def split_bytes(hf_cfg, rows: int, length: int, n: int, itemsize: int, layers: int) -> float:
+def split_bytes(hf_cfg, rows: int, length: int, n: int, itemsize: int, layers: int, device: str = "cpu"
+                ) -> float:
     """What the split adds on a rank (`shardlm estimate`): the mask of its queries against the whole row (in the
-    compute dtype), and each layer's gathered keys and values, which autograd keeps for the backward: repeated to
-    every query head, as transformers does before SDPA under a mask (grouped-query SDPA would not take the kernels
-    that run masks on CUDA)."""
+    compute dtype), and each layer's gathered keys and values, which autograd keeps for the backward: on CUDA
+    repeated to every query head, as transformers does before SDPA under a mask (grouped-query SDPA would not take
+    the kernels that run masks there); on CPU as many heads as the model's keys (`attention_forward`)."""
     heads = hf_cfg.num_attention_heads
+    if device == "cpu":
+        heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     whole = length + -length % (2 * n)
     return rows * share(length, n) * whole * itemsize + layers * rows * whole * 2 * heads * head_dim * itemsize
@@ -138,12 +145,13 @@ def documents(positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([start, positions[:, 1:] != positions[:, :-1] + 1], 1).cumsum(1)
 
 
-def split(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's share of the rows (inputs, targets, global position ids) and its attention mask.
+def split(ctx: Context, batch: Batch) -> tuple[Batch, torch.Tensor]:
+    """This rank's share of the rows (inputs, targets, global position ids, preference pairs' sequence ids) and
+    its attention mask.
 
     Rows are padded to a multiple of 2N (the balancer's chunks): padding is never a target and attends to itself
     alone (an example of its own), so no real token sees it and no row of the mask is empty."""
+    inputs, targets, positions, segments = batch.inputs, batch.targets, batch.positions, batch.segments
     rows, length = inputs.shape
     pad = -length % (2 * ctx.size)
     if positions is None:
@@ -153,31 +161,44 @@ def split(ctx: Context, inputs: torch.Tensor, targets: torch.Tensor, positions: 
         inputs = F.pad(inputs, (0, pad))
         targets = F.pad(targets, (0, pad), value=IGNORE)
         positions = F.pad(positions, (0, pad))
+        segments = None if segments is None else F.pad(segments, (0, pad), value=-1)
         docs = torch.cat([docs, docs[:, -1:] + 1 + torch.arange(pad, device=docs.device)], 1)
     order = head_tail(length + pad, ctx.size).to(inputs.device)
     mine = order.view(ctx.size, -1)[ctx.rank]
     visible = (order[None, :] <= mine[:, None]) & (docs[:, mine, None] == docs[:, None, order])
-    return inputs[:, mine], targets[:, mine], positions[:, mine], visible[:, None]
+    return batch._replace(inputs=inputs[:, mine], targets=targets[:, mine], positions=positions[:, mine],
+                          segments=None if segments is None else segments[:, mine]), visible[:, None]
 
 
 @contextlib.contextmanager
-def split_step(dist: Dist, hf_config, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
-               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+def split_step(dist: Dist, hf_config, batch: Batch) -> Iterator[Batch]:
     """The forward and backward of a micro-batch on this rank's share of its rows (as given without a context
     mesh). The model attends through `attention_forward` meanwhile: activation checkpointing recomputes inside."""
     ctx = getattr(dist, "context", None)
     if not isinstance(ctx, Context):
-        yield inputs, targets, positions
+        yield batch
         return
-    inputs, targets, positions, visible = split(ctx, inputs, targets, positions)
+    batch, visible = split(ctx, batch)
     masks = {torch.bool: visible}  # the only reference: the first layer swaps it for the additive mask
     del visible
     before = hf_config._attn_implementation
-    hf_config._attn_implementation, _active[0] = CONTEXT_ATTENTION, (ctx.group, masks)
+    hf_config._attn_implementation, _active[0] = CONTEXT_ATTENTION, (ctx, masks)
     try:
-        yield inputs, targets, positions
+        yield batch
     finally:
         hf_config._attn_implementation, _active[0] = before, None
+
+
+def summed(x: torch.Tensor) -> torch.Tensor:
+    """Per-sequence sums (a preference pair's log-probabilities) over the context ranks of a split step, each of
+    which holds part of every row's targets; `x` itself outside one. Differentiable: the backward hands each rank
+    the sum of the ranks' gradients (N times one rank's, as every rank computes the same loss from the sums), which
+    cancels against FSDP2 averaging gradients over data x context ranks: the loss is scaled per data index."""
+    if _active[0] is None:
+        return x
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(x, group=_active[0][0].process_group)
 
 
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, _mask: None,
@@ -187,11 +208,16 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     from torch.distributed.tensor.experimental._context_parallel import flex_cp_allgather
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    group, masks = _active[0]
+    ctx, masks = _active[0]
     if query.dtype not in masks:
         visible = masks.pop(torch.bool) if torch.bool in masks else next(iter(masks.values())) == 0
         masks[query.dtype] = additive(visible, query.dtype)
-    key, value = flex_cp_allgather(key, value, 2, group)
+    key, value = flex_cp_allgather(key, value, 2, ctx.group)
+    if query.device.type == "cpu":  # CPU's flash kernel takes grouped heads under a mask: no repeated keys kept
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=masks[query.dtype],
+                                             dropout_p=kwargs.get("dropout", 0.0), scale=kwargs.get("scaling"),
+                                             enable_gqa=key.shape[1] != query.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, masks[query.dtype], **kwargs)
 
 

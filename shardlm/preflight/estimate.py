@@ -193,10 +193,10 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     forward: dict[str, float] = {}
     host = activations(cfg, hf_cfg, len(blocks), per_token, tokens, compute, forward)
     forward["embeddings + final norm activations"] = tokens * C * csize * 3
-    if p.context > 1:
-        forward["context: the split's mask, gathered keys/values"] = context.split_bytes(hf_cfg, B, T, p.context,
-                                                                                         csize, len(blocks))
     device = torch.device("cuda" if p.device != "cpu" and torch.cuda.is_available() else "cpu")
+    if p.context > 1:
+        forward["context: the split's mask, gathered keys/values"] = context.split_bytes(
+            hf_cfg, B, T, p.context, csize, len(blocks), device.type)
     compiled = compile_mode(p.compile, device) == "model"
     transform = logit_transform(hf_cfg)
     full_logits = transform is not None or meta.get_output_embeddings() is None  # as CausalLM decides

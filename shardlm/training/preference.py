@@ -40,6 +40,7 @@ from shardlm import ShardlmError
 from shardlm.checkpoint.provenance import arch_of, base_identity
 from shardlm.data import Batch, ExampleRows, MixtureBlocks
 from shardlm.data.examples import reference_problem, save_reference
+from shardlm.distributed import context
 from shardlm.models import lora
 from shardlm.models.preference import REFERENCE_FREE, pair_losses
 from shardlm.training.validate import Share, Validator
@@ -128,6 +129,7 @@ class Preference:
             ref.eval()
         with contextlib.nullcontext() if self.frozen is not None else lora.adapters_off(ref):
             logps, _ = ref.sequence_logps(batch.inputs, batch.targets, batch.positions, batch.segments, sequences)
+        logps = context.summed(logps)  # a row split over context ranks: each holds part of every sequence
         if training:
             ref.train()
         if self.frozen is not None:
@@ -144,6 +146,7 @@ class Preference:
         elif self.live:  # before the policy's forward: FSDP2 then sees one forward, and its backward
             ref = self.live_logps(model, batch, 2 * n)
         logps, counts = model.sequence_logps(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * n)
+        logps, counts = context.summed(logps), context.summed(counts)
         chosen, rejected = logps[0::2], logps[1::2]
         out = pair_losses(self.objective, chosen, rejected, counts[0::2], counts[1::2],
                           None if ref is None else ref[:, 0], None if ref is None else ref[:, 1],

@@ -207,9 +207,9 @@ class Trainer:
         """Sum of token losses of this micro-batch (detached); gradients accumulate in the parameters.
         The loss is divided by the step's global target count over the ranks that average gradients: the mean
         over every target of the optimizer step (`step_targets`); by default a text step's count."""
-        with context.split_step(self.dist, self.run.model.hf.config, *batch[:3]) as (inputs, targets, positions):
+        with context.split_step(self.dist, self.run.model.hf.config, batch) as mine:
             with self.autocast():
-                loss_sum, _ = self.model(inputs, targets, positions)
+                loss_sum, _ = self.model(mine.inputs, mine.targets, mine.positions)
             denominator = per_rank_targets or batch.inputs.shape[0] * self.seq_len * self.accum
             loss = loss_sum / denominator
             (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -321,13 +321,14 @@ class Trainer:
         for m in range(self.accum):
             batch = self._train_batch(m)
             set_gradient_sync(self.model, m == self.accum - 1)
-            with self.autocast():
-                pair_sum, nll, batch_stats, _ = self.preference.loss(self.model, batch, "train")
-            loss = pair_sum / (pairs * share) + nll / (chosen * share)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with context.split_step(self.dist, self.run.model.hf.config, batch) as mine, self.autocast():
+                pair_sum, nll, batch_stats, _ = self.preference.loss(self.model, mine, "train")
+                loss = pair_sum / (pairs * share) + nll / (chosen * share)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += (pair_sum + nll * pairs / chosen).detach()
             stats += batch_stats.detach()
-        return pairs, loss_sum, stats
+        # the context ranks of a data index hold the same pair sums (context.summed): each reports its share
+        return pairs, loss_sum / self.dist.context_size, stats / self.dist.context_size
 
     def _check_finite(self, result: StepResult, step: int) -> None:
         if result["finite"]:
