@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 from test_readme import runnable, small_overrides
 
-from helpers import ROOT
+from helpers import ROOT, run_command
 
 DOCS = ROOT / "docs"
 # A guide whose commands are shown at their real size (a GPU config, 4 or 8 ranks) carries this line; its
@@ -46,7 +45,7 @@ def run_page_commands(page: Path, tmp_path: Path, corpus: Path, cache_dir: Path)
             assert cmd is not None, f"{page.name}: {shlex.join(argv)} is not run"
         else:
             cmd = [*{"shardlm": [sys.executable, "-m", "shardlm"], "python": [sys.executable]}[argv[0]], *argv[1:]]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_command(cmd, env, 300, tmp_path)
         assert proc.returncode == 0, f"{page.name}: {shlex.join(argv)}\n{proc.stdout}\n{proc.stderr}"
         outputs.append((argv, proc.stdout))
     shown = re.findall(r"```text\n(.*?)```", text, re.S)

@@ -71,10 +71,53 @@ def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeou
     cmd = python_cmd("-m", "shardlm", *args, nproc=nproc)
     hide_gpus = {} if _device == "auto" else {"CUDA_VISIBLE_DEVICES": ""}
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **hide_gpus, **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    proc = None if nproc > 1 else forked(cmd, [str(a) for a in args], full_env, timeout, cwd)
+    if proc is None:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+_zygotes: dict = {}  # tests/zygote.py processes of this worker, by the import-time environment they started with
+
+
+def forked(cmd: list[str], args: list[str], env: dict[str, str], timeout: float, cwd: Path | None
+           ) -> subprocess.CompletedProcess | None:
+    """`python -m shardlm ARGS` forked from a process that has imported torch and transformers already
+    (tests/zygote.py, one per import-time environment: what OpenMP and the hub read when they load), or None where
+    it must be a real process (SHARDLM_TEST_FORK=0)."""
+    import tempfile
+
+    from zygote import import_time_env
+
+    if os.environ.get("SHARDLM_TEST_FORK", "1") == "0":
+        return None
+    key = tuple(sorted(import_time_env(env).items()))
+    if key not in _zygotes or _zygotes[key].poll() is not None:
+        zygote = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py"))], env=env, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert zygote.stdout is not None and json.loads(zygote.stdout.readline()) == {"ready": True}
+        _zygotes[key] = zygote
+    zygote = _zygotes[key]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        request = {"argv": args, "env": env, "cwd": str(cwd or Path.cwd()), "timeout": timeout, "stdout": str(out),
+                   "stderr": str(err)}
+        zygote.stdin.write(json.dumps(request) + "\n")
+        zygote.stdin.flush()
+        reply = json.loads(zygote.stdout.readline())
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
+
+
+def run_command(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+    """A docs or README command line: `python -m shardlm ...` forked (`forked`), anything else a real process."""
+    if cmd[1:3] == ["-m", "shardlm"] and (proc := forked(cmd, cmd[3:], env, timeout, cwd)) is not None:
+        return proc
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def kill_tree(pid: int) -> None:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
 import yaml
 
-from helpers import ROOT, byte_gpt2_config, tiny
+from helpers import ROOT, byte_gpt2_config, run_command, tiny
 from shardlm.cli import cmd_train, parse_args
 from shardlm.config import load_config, to_flat_dict
 from shardlm.tokenizer import byte_tokenizer, set_chat_template
@@ -77,7 +76,7 @@ def test_readme_commands_run_as_written(corpus, cache_dir, tmp_path):
         if cmd is None:
             assert (tmp_path / argv[-1]).is_dir(), f"{shlex.join(argv)}: no such log folder"
             continue
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = run_command(cmd, env, 300, tmp_path)
         assert proc.returncode == 0, f"README command failed: {shlex.join(argv)}\n{proc.stdout}\n{proc.stderr}"
         ran.append((shlex.join(argv), proc.stdout + proc.stderr))
     assert len(ran) >= 10
