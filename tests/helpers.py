@@ -71,9 +71,7 @@ def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeou
     cmd = python_cmd("-m", "shardlm", *args, nproc=nproc)
     hide_gpus = {} if _device == "auto" else {"CUDA_VISIBLE_DEVICES": ""}
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **hide_gpus, **(env or {})}
-    proc = None if nproc > 1 else forked(cmd, [str(a) for a in args], full_env, timeout, cwd)
-    if proc is None:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    proc = run_command(cmd, full_env, timeout, cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -113,9 +111,10 @@ def forked(cmd: list[str], args: list[str], env: dict[str, str], timeout: float,
     return subprocess.CompletedProcess(cmd, reply["rc"], stdout, stderr)
 
 
-def run_command(cmd: list[str], env: dict[str, str], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
-    """A docs or README command line: `python -m shardlm ...` forked (`forked`), anything else a real process."""
-    if cmd[1:3] == ["-m", "shardlm"] and (proc := forked(cmd, cmd[3:], env, timeout, cwd)) is not None:
+def run_command(cmd: list, env: dict[str, str], timeout: float, cwd: Path | None) -> subprocess.CompletedProcess:
+    """A command line (shardlm_cli's, a docs or README line): `python -m shardlm ...` forked (`forked`), anything
+    else (torchrun's ranks, other programs) a real process."""
+    if cmd[1:3] == ["-m", "shardlm"] and (proc := forked(cmd, [str(a) for a in cmd[3:]], env, timeout, cwd)):
         return proc
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
