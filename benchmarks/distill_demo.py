@@ -149,7 +149,8 @@ def report(args: argparse.Namespace, seeds: list[int], teacher: Path, teacher_ro
     spread = lambda arm: round(max(arm["exact_match_per_seed"]) - min(arm["exact_match_per_seed"]), 4)  # noqa: E731
     return {"benchmark": "distill_demo",
             "command": " ".join(["python", "benchmarks/distill_demo.py", *sys.argv[1:]]),
-            "config": "configs/distill_tiny.yaml", "overrides": args.overrides, "teacher": str(teacher),
+            "config": "configs/distill_tiny.yaml", "overrides": args.overrides, "init": args.init,
+            "teacher": str(teacher),
             "seeds": seeds,
             "settings": {"model": {k: config["model"][k] for k in ("n_layer", "n_head", "n_embd")},
                          "train": {k: config["train"].get(k) for k in ("batch_size", "grad_accum", "max_steps", "lr",
@@ -179,6 +180,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="1337,1", help="train.seed of each pair of runs (comma-separated)")
     ap.add_argument("--arms", default="distill,sft", help="sft alone trains the baselines only (with --keep, a "
                     "later run of both reuses them: a run folder holding cost.json is not trained again)")
+    ap.add_argument("--init", default=None, metavar="PATTERN", help="both students start from this export instead "
+                    "of random weights, {seed} replaced by the seed (e.g. a first phase's sft-{seed}-hf: GKD distils "
+                    "an instruction-tuned student, and the baseline then continues by sft for the same steps)")
     ap.add_argument("--heldout", type=int, default=200)
     ap.add_argument("--keep", default=None, help="work in this folder and keep the runs (default: a temporary one)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -196,6 +200,8 @@ def main() -> None:
             teacher, teacher_cost = teacher_export(args, work)
         for seed in seeds:
             common = [f"distill.teacher={teacher}", f"train.seed={seed}", *args.overrides]
+            if args.init:
+                common.insert(0, f"model.name={Path(args.init.format(seed=seed)).resolve()}")
             if "distill" in arms:
                 runs["distill"].append(train_and_score(f"distill-{seed}", work, args.heldout, common))
             if "sft" in arms:
