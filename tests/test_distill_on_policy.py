@@ -120,8 +120,9 @@ def on_policy_args(chat_file, cache_dir, out, teacher, **extra) -> list[str]:
 
 def test_an_on_policy_step_is_the_teachers_loss_on_the_students_samples(chat_file, cache_dir, tmp_path):
     """With distill.on_policy=1 the step trains on the micro-batch `student_completions` gives (the student's keyed
-    samples, drawn before the step) and its loss is the whole-logits reference's on that batch, the teacher scoring
-    the sampled tokens; distill/on_policy counts all of them."""
+    samples, drawn before the step) and its loss is the whole-logits reference's divergence on that batch, the
+    teacher scoring the sampled tokens: distill.alpha's next-token part is left out (a sample is no label);
+    distill/on_policy counts all of them."""
     from test_distill_training import save_teacher
 
     from shardlm.config import load_config
@@ -139,7 +140,7 @@ def test_an_on_policy_step_is_the_teachers_loss_on_the_students_samples(chat_fil
     with torch.no_grad():
         want, _ = full_distill_loss(student.hf(inputs, position_ids=positions).logits,
                                     frozen.hf(inputs, position_ids=positions).logits, sampled.targets, beta=0.5,
-                                    temperature=1.0, alpha=0.7, vocab=259)
+                                    temperature=1.0, alpha=1.0, vocab=259)
     result = trainer.train_step()
     targets = int((sampled.targets != IGNORE).sum())
     assert result["targets"] == targets and float(result["stats"][4]) == targets

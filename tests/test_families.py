@@ -218,3 +218,29 @@ def test_moe_records_carry_the_router_loss_and_expert_load_and_plot_draws_them(f
         assert max(r["expert_load_cv_by_layer"]) == pytest.approx(r["expert_load_cv"], abs=1e-4)
     drawn = {p.name for p in plot_runs([str(tmp_path / "run")], str(tmp_path / "plots"))}
     assert {"expert_load.png", "router_aux_loss.png"} <= drawn
+
+
+def test_a_bidirectional_encoder_is_refused_and_trains_causally_when_its_config_says_decoder(tmp_path):
+    """AutoModelForCausalLM builds BERT with a next-token head but a bidirectional mask: every position would see
+    the token it predicts (a loss near zero). Refused, unless is_decoder makes its attention causal, which the
+    logits show: changing a later token leaves the earlier positions' logits as they were."""
+    from transformers import AutoModelForCausalLM, BertConfig
+
+    folder = tmp_path / "bert"
+    tiny = {"vocab_size": 259, "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "intermediate_size": 32, "max_position_embeddings": 64}
+    AutoModelForCausalLM.from_config(BertConfig(**tiny)).save_pretrained(folder)
+    with pytest.raises(ShardlmError, match=r"model family 'bert' is a bidirectional encoder \(is_decoder=false\).*"
+                                           r"config_overrides='\{\"is_decoder\": true\}'"):
+        model_config(load_config(None, [f"model.name={folder}", "model.tokenizer=bytes", "data.seq_len=32"]),
+                     byte_tokenizer())
+    with pytest.raises(ShardlmError, match="'bert' is a bidirectional encoder"):
+        model_config(load_config(None, ["model.arch=bert"]), byte_tokenizer())
+    decoder = model_config(load_config(None, [f"model.name={folder}", "model.tokenizer=bytes", "data.seq_len=32",
+                                              'model.config_overrides={"is_decoder": true}']), byte_tokenizer())
+    model = AutoModelForCausalLM.from_config(decoder).eval()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    changed = ids.clone()
+    changed[0, -1] = 9
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits[0, :3], model(changed).logits[0, :3])

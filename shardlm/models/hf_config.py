@@ -20,6 +20,8 @@ from shardlm.tokenizer import BUILTIN_TEMPLATES, tokenizer_spec
 # Config keys of families that transform their logits after the head (Gemma 2 soft-caps them, Cohere and
 # Granite scale them): their loss is computed from the model's own logits, never without the transform.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Encoder-decoder families whose causal-LM class is their decoder alone and sets is_decoder itself.
+SELF_CAUSAL_DECODERS = ("bart", "mbart", "mvp")
 
 
 def logit_transform(hf_config) -> str | None:
@@ -155,8 +157,27 @@ def check_tokenizer(hf_cfg, tokenizer, cfg: Config) -> None:
             "the model's own tokenizer.")
 
 
+def bidirectional_flag(hf_cfg) -> str | None:
+    """The config flag that makes an encoder family (BERT, RoBERTa, XLM, ...) attend causally, where it is off.
+    AutoModelForCausalLM builds these with a head for next tokens but a bidirectional mask unless the flag is set,
+    so each position would see the token it is trained to predict: a loss near zero that generates nothing."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED_LMS
+
+    kind = hf_cfg.model_type
+    if kind not in CAUSAL_LMS or kind not in MASKED_LMS or kind in SELF_CAUSAL_DECODERS:
+        return None
+    flag = "causal" if kind == "xlm" else "is_decoder"
+    return None if getattr(hf_cfg, flag, False) else flag
+
+
 def check_model(hf_cfg, cfg: Config) -> None:
     """What this model cannot train as configured: refused before any weight is read."""
+    if flag := bidirectional_flag(hf_cfg):
+        raise ShardlmError(f"model family '{hf_cfg.model_type}' is a bidirectional encoder ({flag}=false): every "
+                           "position would see the token it is trained to predict. Train a causal LM (GPT-2, Llama, "
+                           f"Qwen, ...), or set model.config_overrides='{{\"{flag}\": true}}' to train it as a "
+                           "decoder.")
     if cfg.train.objective != "sft" and is_moe(hf_cfg) and getattr(hf_cfg, "output_router_logits", False):
         raise ShardlmError(f"train.objective={cfg.train.objective} on a mixture-of-experts model whose config adds the "
                            "router's load-balancing loss (output_router_logits=true): shardlm's preference losses do "

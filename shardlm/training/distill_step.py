@@ -7,7 +7,8 @@ through the student's `distill` forward, whose head computes GKD's generalized J
 next-token loss in chunks of positions (shardlm.models.distill_loss). With `distill.teacher_topk=K` the teacher
 scores the data once before the first step instead (shardlm.training.teacher_scores) and is let go: the stored
 top-K log-probabilities of the micro-batch's rows stand for it. On the steps `distill.on_policy` draws
-(shardlm.training.distill_samples), each example's answer is first replaced by the student's own completion.
+(shardlm.training.distill_samples), each example's answer is first replaced by the student's own completion,
+and the loss is the divergence alone (`distill.alpha`'s next-token part needs the data's answers).
 
 The step's loss is its sum over every target divided once by the step's global target count, as sft's is
 (`Trainer.step_targets`; an on-policy step counts its sampled targets with one all-reduce), so 2 ranks train what
@@ -103,14 +104,17 @@ class Distill:
         reshard(self.teacher)  # a frozen model keeps nothing gathered for a backward it never has
         return view
 
-    def loss(self, model: nn.Module, batch: Batch, split: str,
-             indices: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, model: nn.Module, batch: Batch, split: str, indices: np.ndarray | None = None,
+             sampled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(the objective's sum over the batch's targets, the sums of PARTS): `indices` are the batch's rows of
-        `split` (stored top-K scores are addressed by them)."""
+        `split` (stored top-K scores are addressed by them). On the student's own completions (`sampled`) the
+        objective is the divergence alone: a sampled token is no label, and its next-token loss has zero expected
+        gradient at sample_temperature 1 (it only sharpens below), so `distill.alpha` weighs the data's steps."""
         teacher = self.teacher_for(batch, split, indices)
         student = cast("CausalLM", model)
         loss_sum, parts = student.distill(batch.inputs, batch.targets, batch.positions, teacher, beta=self.d.beta,
-                                          temperature=self.d.temperature, alpha=self.d.alpha, vocab=self.vocab)
+                                          temperature=self.d.temperature, alpha=1.0 if sampled else self.d.alpha,
+                                          vocab=self.vocab)
         return loss_sum, torch.stack([parts[k].float() for k in PARTS])
 
     # ---- one optimizer step --------------------------------------------------------------------------------
@@ -133,7 +137,7 @@ class Distill:
             rows = trainer._indices(trainer.position, m) if self.scores is not None else None
             set_gradient_sync(model, m == accum - 1)
             with trainer.autocast():
-                part_sum, parts = self.loss(model, batch, "train", rows)
+                part_sum, parts = self.loss(model, batch, "train", rows, sampled=sampled is not None)
             loss = part_sum / per_rank
             (trainer.scaler.scale(loss) if trainer.scaler else loss).backward()
             loss_sum += part_sum.detach()
