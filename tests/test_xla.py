@@ -55,6 +55,20 @@ def test_lora_on_xla_equals_lora_on_cpu(corpus, cache_dir, tmp_path):
     assert_parity(corpus, cache_dir, tmp_path, 2, {"model.name": base, "lora.r": 4, "lora.dropout": 0.0})
 
 
+@needs_torch_xla
+def test_distillation_on_xla_equals_distillation_on_cpu(corpus, cache_dir, tmp_path):
+    """The frozen teacher beside the student on the SPMD mesh, and the chunked divergence's hand-written gradient,
+    train what they train on CPU."""
+    from transformers import GPT2LMHeadModel
+
+    from helpers import byte_gpt2_config, save_hf_folder
+
+    teacher = save_hf_folder(GPT2LMHeadModel(byte_gpt2_config(n_layer=2, n_embd=32, n_head=2)), tmp_path / "teacher")
+    assert_parity(corpus, cache_dir, tmp_path, 2, {"train.objective": "distill", "distill.teacher": teacher,
+                                                   "distill.beta": 0.5, "distill.alpha": 0.7,
+                                                   "train.loss_chunk_size": 64})
+
+
 def assert_parity(corpus, cache_dir, tmp_path, devices: int, extra: dict) -> None:
     proc = train(corpus, cache_dir, tmp_path / "xla", devices, **extra)
     assert f"XLA SPMD over {devices} device(s)" in proc.stdout
@@ -130,6 +144,8 @@ def test_auto_takes_xla_only_where_pjrt_names_an_accelerator(monkeypatch):
     (["parallel.wrap=size:1M"], 1, "wrap=size:1M is not supported on XLA.*parallel.wrap=block"),
     ([], 2, "with 2 launched processes.*without a launcher"),
     (["train.objective=grpo", "data.seq_len=1024"], 1, "objective=grpo is not supported on XLA yet.*cuda/cpu"),
+    (["train.objective=distill", "distill.teacher=t", "distill.on_policy=0.5", "data.seq_len=1024"], 1,
+     "distill.on_policy=0.5 is not supported on XLA yet.*cuda/cpu"),
 ])
 def test_what_xla_cannot_do_is_refused_before_any_work(overrides, world, message):
     with pytest.raises(ShardlmError, match=message):  # config values only: no torch_xla needed

@@ -53,10 +53,14 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         from shardlm.distributed import xla
 
         xla.check(p, world_size)
-        if cfg.train.objective in ("grpo", "rloo"):  # a KV-cache decode of changing length, one graph per token
-            raise ShardlmError(f"train.objective={cfg.train.objective} is not supported on XLA yet: its sampling "
-                               "decodes token by token with a growing KV cache, which XLA would recompile at "
-                               "every length. Run online RL on CUDA or CPU (parallel.device=cuda/cpu).")
+        sampled = cfg.train.objective in ("grpo", "rloo") or \
+            (cfg.train.objective == "distill" and cfg.distill.on_policy > 0)
+        if sampled:  # a KV-cache decode of changing length, one graph per token
+            what = f"train.objective={cfg.train.objective}" if cfg.train.objective != "distill" else \
+                f"distill.on_policy={cfg.distill.on_policy:g}"
+            raise ShardlmError(f"{what} is not supported on XLA yet: its sampling decodes token by token with a "
+                               "growing KV cache, which XLA would recompile at every length. Run it on CUDA or CPU "
+                               "(parallel.device=cuda/cpu).")
         return Plan(use_fsdp=False, mesh_shape=(), reshard_after_forward=True, dtype=DTYPES[p.precision],
                     compile="false")
     if p.precision == "fp16" and device.type == "cpu":
