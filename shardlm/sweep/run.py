@@ -27,6 +27,7 @@ import yaml
 from shardlm import ShardlmError
 from shardlm.checkpoint import layout
 from shardlm.config import Config, build_config, load_config, parse_overrides, save_config, to_flat_dict
+from shardlm.sweep.report import best_trial, closing, header, outcome_line, shown, table
 from shardlm.sweep.space import Param, ends, override, parse_enqueued, parse_space
 from shardlm.sweep.trial import (
     BASE,
@@ -34,6 +35,7 @@ from shardlm.sweep.trial import (
     MAXIMIZED,
     make_pruner,
     read_definition,
+    run_dir,
     storage_url,
     trial_id,
 )
@@ -198,7 +200,7 @@ def run_sweep(config: list[str], overrides: list[str], opts: SweepOptions) -> in
         study.sampler = _sampler(definition, len(study.get_trials(deepcopy=False)))
         for values in enqueued:
             study.enqueue_trial(values, skip_if_exists=True)
-        print(_header(out, cfg, definition, study), flush=True)
+        print(header(out, cfg, definition, study), flush=True)
         failures: list[str] = []
         while True:
             trials = study.get_trials(deepcopy=False)
@@ -214,7 +216,7 @@ def run_sweep(config: list[str], overrides: list[str], opts: SweepOptions) -> in
                 print(table(study, params, definition), flush=True)
                 return 130
             _record(study, trial.number, outcome)
-            print(_outcome_line(trial.number, outcome, study, definition), flush=True)
+            print(outcome_line(trial.number, outcome, study, definition), flush=True)
             if outcome.get("signalled"):  # the trial ended just as the signal came: the sweep stops after it
                 print(f"sweep interrupted after trial {trial.number}. Rerun the same command (or `shardlm sweep "
                       f"{out}`) to go on.", file=sys.stderr, flush=True)
@@ -227,10 +229,10 @@ def run_sweep(config: list[str], overrides: list[str], opts: SweepOptions) -> in
                                    f"base config or the --param ranges (each trial's output: {out}/trial_NNNN/"
                                    "train.log); rerunning the command goes on with new trials.")
     print(table(study, params, definition), flush=True)
-    if failures and _best(study) is None:  # a sweep that measured nothing has not succeeded
+    if failures and best_trial(study) is None:  # a sweep that measured nothing has not succeeded
         raise ShardlmError(f"no trial completed: the last {len(failures)} failed, the last with: {failures[-1]} Fix "
                            "the base config or the --param ranges; rerunning the command goes on with new trials.")
-    _closing(out, study, definition)
+    closing(out, study, definition)
     return 0
 
 
@@ -245,10 +247,6 @@ def _record(study, number: int, outcome: dict[str, Any]) -> None:
         study.tell(number, outcome["value"])
     else:
         study.tell(number, state=TrialState.PRUNED if outcome["state"] == "pruned" else TrialState.FAIL)
-
-
-def run_dir(out: Path, number: int) -> Path:
-    return out / f"trial_{number:04d}"
 
 
 def trial_command(out: Path, number: int, values: dict[str, Any], nproc: int, debug: bool) -> list[str]:
@@ -335,103 +333,3 @@ def _last_val(folder: Path) -> dict[str, Any] | None:
         return None
     records = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("split") == "val"]
     return max(records, key=lambda r: r["step"]) if records else None
-
-
-# ---- what it prints -----------------------------------------------------------------------------------------
-def _header(out: Path, cfg: Config, definition: dict[str, Any], study) -> str:
-    from optuna.trial import TrialState
-
-    trials = study.get_trials(deepcopy=False)
-    done = sum(t.state.is_finished() for t in trials)
-    p = definition["pruner"]
-    warmup = f" from step {definition['pruner_warmup']}" if definition["pruner_warmup"] else ""
-    pruner = "no pruning" if p == "none" else f"{p} pruner (once {definition['pruner_startup']} trials are complete" \
-        f"{warmup})" if p == "median" else f"{p} pruner{warmup}"
-    lines = [f"sweep {out}: {definition['trials']} trials ({done} done"
-             + (f", {sum(t.state == TrialState.RUNNING for t in trials)} to resume" if done < len(trials) else "")
-             + f"), {definition['direction']} val {definition['metric']}, {definition['sampler']} sampler (seed "
-             f"{definition['seed']}), {pruner}",
-             f"  params: {'  '.join(f'{k}={v}' for k, v in definition['params'].items())}",
-             f"  study: {storage_url(out)} (optuna-dashboard reads it)"]
-    if p != "none" and not cfg.train.eval_every:
-        lines.append("  note: train.eval_every=0 validates only at the end, so no trial can be pruned; set "
-                     "train.eval_every=N to stop bad trials early.")
-    return "\n".join(lines)
-
-
-def shown(values: dict[str, Any]) -> str:
-    """`train.lr=0.000443 train.warmup_steps=2`: the values as overrides, floats to 4 digits (the trial's
-    config.yaml has them whole)."""
-    return " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "-" if value is None else str(value)
-
-
-def trial_rows(study) -> list[dict[str, Any]]:
-    """One dict per trial: number, state, value (a pruned trial's: its last report), step, params, seconds."""
-    rows = []
-    for t in study.get_trials(deepcopy=False):
-        steps = sorted(t.intermediate_values)
-        value = t.value if t.value is not None else (t.intermediate_values[steps[-1]] if steps else None)
-        seconds = (t.datetime_complete - t.datetime_start).total_seconds() \
-            if t.datetime_complete and t.datetime_start else None
-        rows.append({"number": t.number, "state": t.state.name.lower(), "value": value,
-                     "step": (t.user_attrs.get("outcome") or {}).get("step", steps[-1] if steps else None),
-                     "params": dict(t.params), "seconds": seconds, "error": t.user_attrs.get("error")})
-    return rows
-
-
-def table(study, params: list[Param], definition: dict[str, Any]) -> str:
-    """The summary: a row per trial, the best marked with *."""
-    rows = trial_rows(study)
-    best = _best(study)
-    head = ["trial", "state", f"val {definition['metric']}", "step", *(p.key for p in params), "time"]
-    body = [[f"{r['number']}{'*' if best is not None and r['number'] == best.number else ''}", r["state"],
-             _fmt(r["value"]), _fmt(r["step"]), *(_fmt(r["params"].get(p.key)) for p in params),
-             "-" if r["seconds"] is None else f"{r['seconds']:.0f}s"] for r in rows]
-    widths = [max(len(str(c)) for c in col) for col in zip(head, *body, strict=True)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in [head, *body]]
-    return "\n".join(lines)
-
-
-def _best(study):
-    from optuna.trial import TrialState
-
-    done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-    return study.best_trial if done else None
-
-
-def _outcome_line(number: int, outcome: dict[str, Any], study, definition: dict[str, Any]) -> str:
-    metric = f"val {definition['metric']}"
-    if outcome["state"] == "complete":
-        best = _best(study)
-        return f"== trial {number} complete: {metric} {outcome['value']:.4f}" + \
-            (" (best so far)" if best is not None and best.number == number else f" (best: trial {best.number}, "
-             f"{best.value:.4f})" if best is not None else "")
-    if outcome["state"] == "pruned":
-        return f"== trial {number} pruned at step {outcome['step']} ({metric} {outcome['value']:.4f})"
-    return f"== trial {number} failed: {outcome['error']}"
-
-
-def _closing(out: Path, study, definition: dict[str, Any]) -> None:
-    best = _best(study)
-    if best is None:
-        print("no trial completed: nothing is best yet.", file=sys.stderr)
-    else:
-        folder = run_dir(out, best.number)
-        print(f"best: trial {best.number}, val {definition['metric']} {best.value:.4f}: "
-              f"{shown(best.params)}\n"
-              f"  its run: {folder} (config.yaml, metrics.jsonl; shardlm export {folder} OUT)", flush=True)
-    try:
-        from shardlm.sweep.plot import plot_sweep
-
-        paths = plot_sweep(out)
-    except ShardlmError as e:
-        print(f"no plots: {e}", file=sys.stderr)
-        return
-    if paths:
-        print(f"plots: {', '.join(str(p) for p in paths)}", flush=True)

@@ -28,6 +28,11 @@ PRUNED = "pruned by the sweep's pruner"  # how a pruned trial's stop reason star
 MAXIMIZED = ("accuracy", "rewards/accuracy", "rewards/margin", "rewards/chosen")
 
 
+def run_dir(out: Path, number: int) -> Path:
+    """A trial's run folder in the sweep folder."""
+    return out / f"trial_{number:04d}"
+
+
 def storage_url(out: Path) -> str:
     return f"sqlite:///{(Path(out) / STUDY_DB).resolve()}"
 

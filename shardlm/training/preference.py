@@ -41,6 +41,7 @@ from shardlm.checkpoint.provenance import arch_of, base_identity
 from shardlm.data import Batch, ExampleRows, MixtureBlocks
 from shardlm.data.examples import reference_problem, save_reference
 from shardlm.distributed import context
+from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.preference import REFERENCE_FREE, pair_losses
 from shardlm.training.validate import Share, Validator
@@ -158,6 +159,31 @@ class Preference:
         alpha = 1.0 if self.objective == "orpo" else self.p.rpo_alpha  # ORPO's own term; DPO + NLL is TRL's RPO
         nll = -alpha * (chosen * w).sum() if alpha else torch.zeros((), device=chosen.device)
         return (out.losses * w).sum(), nll, stats, w.sum()
+
+
+    def micro_steps(self, trainer: Any) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """A step's micro-batches on pairs (`trainer`: the running shardlm.training.trainer.Trainer): (the step's
+        global pairs, this rank's loss sum as pairs x loss, the STATS' sums)."""
+        rows = pair_rows(trainer.run.train, "training")
+        if not self.ready:
+            self.prepare(trainer.reference_source())
+            trainer.model.train()
+        step_rows = trainer.sampler.indices(trainer.position, trainer.global_batch)
+        pairs, chosen = max(1, rows.units(step_rows)), max(1, chosen_targets(rows, step_rows))
+        share = trainer.batch * trainer.accum / trainer.global_batch  # gradients are averaged over ranks
+        loss_sum = torch.zeros((), device=trainer.device)
+        stats = torch.zeros(len(STATS), device=trainer.device)
+        for m in range(trainer.accum):
+            batch = trainer._train_batch(m)
+            set_gradient_sync(trainer.model, m == trainer.accum - 1)
+            with context.split_step(trainer.dist, trainer.run.model.hf.config, batch) as mine, trainer.autocast():
+                pair_sum, nll, batch_stats, _ = self.loss(trainer.model, mine, "train")
+                loss = pair_sum / (pairs * share) + nll / (chosen * share)
+                (trainer.scaler.scale(loss) if trainer.scaler else loss).backward()
+            loss_sum += (pair_sum + nll * pairs / chosen).detach()
+            stats += batch_stats.detach()
+        # the context ranks of a data index hold the same pair sums (context.summed): each reports its share
+        return pairs, loss_sum / trainer.dist.context_size, stats / trainer.dist.context_size
 
 
 class PairScores:

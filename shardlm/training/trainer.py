@@ -40,7 +40,7 @@ from shardlm.training.build import Run, build, build_model
 from shardlm.training.distill_step import Distill
 from shardlm.training.optim.optimizers import update_plan
 from shardlm.training.optim.update import LateRead, clip_grad_norm, fused_clip_step, grad_norm
-from shardlm.training.preference import STATS, PairScores, Preference, ReferenceSource, chosen_targets, pair_rows
+from shardlm.training.preference import PairScores, Preference, ReferenceSource, pair_rows
 from shardlm.training.rl_step import RLStep
 from shardlm.training.schedule import ScheduleState
 from shardlm.training.validate import TokenScores, Validator
@@ -238,7 +238,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         stats: torch.Tensor | dict[str, float] | None = None
         if self.preference is not None:
-            targets, loss_sum, stats = self._preference_micro_steps()
+            targets, loss_sum, stats = self.preference.micro_steps(self)  # (training.preference)
         elif self.rl is not None:  # online RL: a generation round, then its completions (training.rl_step)
             targets, loss_sum, stats = self.rl.micro_steps(self.sampler, self.position)
         elif self.distill is not None:  # the teacher's scores of the same micro-batches (training.distill_step)
@@ -305,30 +305,6 @@ class Trainer:
         if applied:
             self.run.scheduler.step()
         self._check_finite(result, step)
-
-    def _preference_micro_steps(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """A preference step's micro-batches: (global pairs, this rank's loss sum as pairs x loss, stat sums)."""
-        assert self.preference is not None
-        rows = pair_rows(self.run.train, "training")
-        if not self.preference.ready:
-            self.preference.prepare(self.reference_source())
-            self.model.train()
-        step_rows = self.sampler.indices(self.position, self.global_batch)
-        pairs, chosen = max(1, rows.units(step_rows)), max(1, chosen_targets(rows, step_rows))
-        share = self.batch * self.accum / self.global_batch  # gradients are averaged over ranks
-        loss_sum = torch.zeros((), device=self.device)
-        stats = torch.zeros(len(STATS), device=self.device)
-        for m in range(self.accum):
-            batch = self._train_batch(m)
-            set_gradient_sync(self.model, m == self.accum - 1)
-            with context.split_step(self.dist, self.run.model.hf.config, batch) as mine, self.autocast():
-                pair_sum, nll, batch_stats, _ = self.preference.loss(self.model, mine, "train")
-                loss = pair_sum / (pairs * share) + nll / (chosen * share)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_sum += (pair_sum + nll * pairs / chosen).detach()
-            stats += batch_stats.detach()
-        # the context ranks of a data index hold the same pair sums (context.summed): each reports its share
-        return pairs, loss_sum / self.dist.context_size, stats / self.dist.context_size
 
     def _check_finite(self, result: StepResult, step: int) -> None:
         if result["finite"]:
