@@ -7,6 +7,7 @@ A script runs as `python benchmarks/NAME.py` (or under torchrun), which puts thi
 
 from __future__ import annotations
 
+import math
 import platform
 import resource
 import subprocess
@@ -129,3 +130,53 @@ def children_cpu_s() -> float:
     """CPU seconds of the finished child processes (the trainings a demo ran)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+# ---- the chat demos' held-out scoring (grpo_demo, distill_demo, dpo_demo) -----------------------------------
+def heldout_answers(export: Path, heldout: int) -> list[dict]:
+    """The first `heldout` chat_tasks_heldout prompts: each one's task and whether the export's greedy answer equals
+    the reference, by shardlm's own exact-match code (shardlm.inference.exact_match, `shardlm eval --exact-match`'s
+    rule), the task read from the prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shardlm.config import DataConfig
+    from shardlm.inference.exact_match import held_out_examples, score
+
+    sys.path.insert(0, str(ROOT / "shardlm" / "assets" / "chat_tasks"))
+    from make_pairs import parse
+
+    examples = held_out_examples("chat_tasks_heldout", "validation", DataConfig(), None, heldout)
+    tok = AutoTokenizer.from_pretrained(export)
+    with torch.no_grad():
+        scored = score(AutoModelForCausalLM.from_pretrained(export), tok, examples, quiet=True)
+    out = []
+    for example, s in zip(examples, scored, strict=True):
+        last = max(i for i, m in enumerate(example.messages) if m["role"] == "assistant")
+        out.append({"task": parse(example.messages[last - 1]["content"])[0], "exact": bool(s.exact)})
+    return out
+
+
+def exact_rate(rows: list[dict]) -> float:
+    return sum(r["exact"] for r in rows) / len(rows)
+
+
+def per_task(rows: list[dict]) -> dict:
+    """{task: "right/prompts"} of heldout_answers' rows."""
+    tasks: dict[str, list[int]] = {}
+    for r in rows:
+        right = tasks.setdefault(r["task"], [0, 0])
+        right[0] += r["exact"]
+        right[1] += 1
+    return {task: f"{hits}/{n}" for task, (hits, n) in sorted(tasks.items())}
+
+
+def sign_test(base: list[list[dict]], new: list[list[dict]]) -> dict:
+    """Prompts right only with the new arm (gained) against right only with the base (lost), pooled over the pairs
+    of runs (a prompt counted once per pair); two-sided exact binomial p at 1/2."""
+    pairs = [(b, a) for bs, ns in zip(base, new, strict=True) for b, a in zip(bs, ns, strict=True)]
+    gained = sum(not b["exact"] and a["exact"] for b, a in pairs)
+    lost = sum(b["exact"] and not a["exact"] for b, a in pairs)
+    n = gained + lost
+    tail = sum(math.comb(n, k) for k in range(0, min(gained, lost) + 1)) / 2**n if n else 1.0
+    return {"gained": gained, "lost": lost, "p_two_sided": round(min(1.0, 2 * tail), 4)}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -31,53 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, children_cpu_s, cpu_name, shardlm
-
-
-def answers(export: Path, heldout: int) -> list[dict]:
-    """Each held-out prompt's task, greedy answer and whether it equals the reference (grpo_demo.py's scoring)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardlm.config import DataConfig
-    from shardlm.inference.exact_match import held_out_examples, score
-
-    sys.path.insert(0, str(ROOT / "shardlm" / "assets" / "chat_tasks"))
-    from make_pairs import parse
-
-    examples = held_out_examples("chat_tasks_heldout", "validation", DataConfig(), None, heldout)
-    tok = AutoTokenizer.from_pretrained(export)
-    with torch.no_grad():
-        scored = score(AutoModelForCausalLM.from_pretrained(export), tok, examples, quiet=True)
-    out = []
-    for example, s in zip(examples, scored, strict=True):
-        last = max(i for i, m in enumerate(example.messages) if m["role"] == "assistant")
-        out.append({"task": parse(example.messages[last - 1]["content"])[0], "exact": bool(s.exact)})
-    return out
-
-
-def rate(rows: list[dict]) -> float:
-    return sum(r["exact"] for r in rows) / len(rows)
-
-
-def per_task(rows: list[dict]) -> dict:
-    tasks: dict[str, list[int]] = {}
-    for r in rows:
-        right = tasks.setdefault(r["task"], [0, 0])
-        right[0] += r["exact"]
-        right[1] += 1
-    return {task: f"{hits}/{n}" for task, (hits, n) in sorted(tasks.items())}
-
-
-def sign_test(base: list[list[dict]], new: list[list[dict]]) -> dict:
-    """Prompts right only with the new arm (gained) against right only with the base (lost), pooled over the seeds'
-    pairs; two-sided exact binomial p at 1/2."""
-    pairs = [(b, a) for bs, ns in zip(base, new, strict=True) for b, a in zip(bs, ns, strict=True)]
-    gained = sum(not b["exact"] and a["exact"] for b, a in pairs)
-    lost = sum(b["exact"] and not a["exact"] for b, a in pairs)
-    n = gained + lost
-    tail = sum(math.comb(n, k) for k in range(0, min(gained, lost) + 1)) / 2**n if n else 1.0
-    return {"gained": gained, "lost": lost, "p_two_sided": round(min(1.0, 2 * tail), 4)}
+from common import ROOT, children_cpu_s, cpu_name, exact_rate, heldout_answers, per_task, shardlm, sign_test
 
 
 def bootstrap(base: list[list[dict]], new: list[list[dict]], draws: int = 10000) -> dict:
@@ -109,8 +62,8 @@ def train_and_score(name: str, work: Path, heldout: int, overrides: list[str]) -
                 "train_cpu_minutes": round((children_cpu_s() - cpu0) / 60, 2)}
         shardlm("export", str(run), str(work / f"{name}-hf"))
         cost_file.write_text(json.dumps(cost) + "\n")
-    rows = answers(work / f"{name}-hf", heldout)
-    return {"rows": rows, "exact_match": rate(rows), "per_task": per_task(rows), "val": val_records(run),
+    rows = heldout_answers(work / f"{name}-hf", heldout)
+    return {"rows": rows, "exact_match": exact_rate(rows), "per_task": per_task(rows), "val": val_records(run),
             **json.loads(cost_file.read_text())}
 
 
@@ -157,7 +110,8 @@ def report(args: argparse.Namespace, seeds: list[int], teacher: Path, teacher_ro
                                                                         "schedule", "warmup_steps", "weight_decay")},
                          "distill": config["distill"],
                          "data": {k: config["data"][k] for k in ("train", "val", "seq_len")}},
-            "teacher_model": {"exact_match": rate(teacher_rows), "per_task": per_task(teacher_rows), **teacher_cost},
+            "teacher_model": {"exact_match": exact_rate(teacher_rows), "per_task": per_task(teacher_rows),
+                              **teacher_cost},
             "distilled": d_arm, "sft_only": s_arm,
             "exact_match_gain": round(d_arm["exact_match_mean"] - s_arm["exact_match_mean"], 4),
             "gain_per_seed": [round(d["exact_match"] - s["exact_match"], 4)
@@ -211,7 +165,7 @@ def main() -> None:
             out: dict = {arm: [{k: v for k, v in r.items() if k != "rows"} for r in rs] for arm, rs in runs.items()}
         else:
             config = yaml.safe_load((work / f"distill-{seeds[0]}" / "config.yaml").read_text())
-            out = report(args, seeds, teacher, answers(teacher, args.heldout), teacher_cost, runs["distill"],
+            out = report(args, seeds, teacher, heldout_answers(teacher, args.heldout), teacher_cost, runs["distill"],
                          runs["sft"], config, began, load_before)
     text = json.dumps(out, indent=1)
     print(text)

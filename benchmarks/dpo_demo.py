@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, cpu_name
+from common import ROOT, cpu_name, heldout_answers, per_task
 
 
 def python(*args: str) -> str:
@@ -55,30 +55,7 @@ def exact_match(path: Path, export: Path, heldout: int) -> dict:
     same greedy answers and rule: shardlm.inference.exact_match)."""
     result = json.loads(shardlm("eval", str(path), "data.val=chat_tasks_heldout", "--exact-match", str(heldout)))
     return {"exact_match": result["exact_match"], "exact_match_n": result["exact_match_n"],
-            "heldout_answer_loss": result["loss"], "per_task": per_task(export, heldout)}
-
-
-def per_task(export: Path, heldout: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardlm.config import DataConfig
-    from shardlm.inference.exact_match import held_out_examples, score
-
-    sys.path.insert(0, str(ROOT / "shardlm" / "assets" / "chat_tasks"))
-    from make_pairs import parse
-
-    examples = held_out_examples("chat_tasks_heldout", "validation", DataConfig(), None, heldout)
-    tok = AutoTokenizer.from_pretrained(export)
-    with torch.no_grad():
-        scored = score(AutoModelForCausalLM.from_pretrained(export), tok, examples, quiet=True)
-    tasks: dict[str, list[int]] = {}
-    for example, s in zip(examples, scored, strict=True):
-        last = max(i for i, m in enumerate(example.messages) if m["role"] == "assistant")
-        right = tasks.setdefault(parse(example.messages[last - 1]["content"])[0], [0, 0])
-        right[0] += s.exact
-        right[1] += 1
-    return {task: f"{hits}/{n}" for task, (hits, n) in sorted(tasks.items())}
+            "heldout_answer_loss": result["loss"], "per_task": per_task(heldout_answers(export, heldout))}
 
 
 def machine() -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -28,47 +27,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, children_cpu_s, cpu_name, shardlm
-
-
-def answers(export: Path, heldout: int) -> list[dict]:
-    """Each held-out prompt's task, greedy answer and whether it equals the reference."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from shardlm.config import DataConfig
-    from shardlm.inference.exact_match import held_out_examples, score
-
-    sys.path.insert(0, str(ROOT / "shardlm" / "assets" / "chat_tasks"))
-    from make_pairs import parse
-
-    examples = held_out_examples("chat_tasks_heldout", "validation", DataConfig(), None, heldout)
-    tok = AutoTokenizer.from_pretrained(export)
-    with torch.no_grad():
-        scored = score(AutoModelForCausalLM.from_pretrained(export), tok, examples, quiet=True)
-    out = []
-    for example, s in zip(examples, scored, strict=True):
-        last = max(i for i, m in enumerate(example.messages) if m["role"] == "assistant")
-        out.append({"task": parse(example.messages[last - 1]["content"])[0], "exact": bool(s.exact)})
-    return out
-
-
-def per_task(rows: list[dict]) -> dict:
-    tasks: dict[str, list[int]] = {}
-    for r in rows:
-        right = tasks.setdefault(r["task"], [0, 0])
-        right[0] += r["exact"]
-        right[1] += 1
-    return {task: f"{hits}/{n}" for task, (hits, n) in sorted(tasks.items())}
-
-
-def sign_test(before: list[dict], after: list[dict]) -> dict:
-    """Prompts right only after (gained) against right only before (lost); two-sided exact binomial p at 1/2."""
-    gained = sum(not b["exact"] and a["exact"] for b, a in zip(before, after, strict=True))
-    lost = sum(b["exact"] and not a["exact"] for b, a in zip(before, after, strict=True))
-    n = gained + lost
-    tail = sum(math.comb(n, k) for k in range(0, min(gained, lost) + 1)) / 2**n if n else 1.0
-    return {"gained": gained, "lost": lost, "p_two_sided": min(1.0, 2 * tail)}
+from common import ROOT, children_cpu_s, cpu_name, exact_rate, heldout_answers, per_task, shardlm, sign_test
 
 
 def curve(run: Path) -> dict:
@@ -107,17 +66,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="shardlm-grpo-demo-") as tmp:
         work = Path(args.keep or tmp).resolve()
         work.mkdir(parents=True, exist_ok=True)
-        before = answers(model, args.heldout)
+        before = heldout_answers(model, args.heldout)
         run = work / "grpo"
         cpu0, wall0 = children_cpu_s(), time.time()
         shardlm("train", "grpo_tiny", f"model.name={model}", f"out_dir={run}", "log.tensorboard=false",
                 "log.progress=none", *args.overrides)
         train_wall, train_cpu = time.time() - wall0, children_cpu_s() - cpu0
         shardlm("export", str(run), str(work / "grpo-hf"))
-        after = answers(work / "grpo-hf", args.heldout)
+        after = heldout_answers(work / "grpo-hf", args.heldout)
         config = yaml.safe_load((run / "config.yaml").read_text())
         points = curve(run)
-    rate = lambda rows: sum(r["exact"] for r in rows) / len(rows)  # noqa: E731
+    rate = exact_rate
     out = {"benchmark": "grpo_demo", "command": " ".join(["python", "benchmarks/grpo_demo.py", *sys.argv[1:]]),
            "config": "configs/grpo_tiny.yaml", "overrides": args.overrides, "model": str(model),
            "settings": {"train": {k: config["train"].get(k) for k in ("objective", "batch_size", "grad_accum",
@@ -129,7 +88,7 @@ def main() -> None:
            "wall_minutes": round((time.time() - began) / 60, 1),
            "before": {"exact_match": rate(before), "per_task": per_task(before)},
            "after": {"exact_match": rate(after), "per_task": per_task(after)},
-           "exact_match_gain": round(rate(after) - rate(before), 4), "sign_test": sign_test(before, after),
+           "exact_match_gain": round(rate(after) - rate(before), 4), "sign_test": sign_test([before], [after]),
            "curve": points, "machine": machine(load_before),
            "note": "exact match: greedy answers to the first N prompts of chat_tasks_heldout (never trained on) equal "
                    "to the reference; before = the exported chat_tiny run GRPO starts from, after = the GRPO run's "
