@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, cpu_name
+from common import ROOT, cpu_name, emit
 
 
 def shardlm(*args: str) -> str:
@@ -64,10 +64,7 @@ def main() -> None:
         "note": "exact match on chat_tasks_heldout (never trained on); heldout_answer_loss is the mean loss on the "
                 "answer tokens of the held-out conversations, comparable between the runs; final_val_loss_as_trained "
                 "is the run's own validation loss (all tokens for the whole-example run)"}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,16 @@ def shardlm(*args: str) -> str:
     return proc.stdout
 
 
+def emit(out: dict, path: str | None) -> None:
+    """Print a result as JSON, and write the same text to `path` when one is given (--out)."""
+    import json
+
+    text = json.dumps(out, indent=1)
+    print(text)
+    if path:
+        Path(path).write_text(text + "\n")
+
+
 def children_cpu_s() -> float:
     """CPU seconds of the finished child processes (the trainings a demo ran)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, children_cpu_s, cpu_name, exact_rate, heldout_answers, per_task, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, emit, exact_rate, heldout_answers, per_task, shardlm, sign_test
 
 
 def bootstrap(base: list[list[dict]], new: list[list[dict]], draws: int = 10000) -> dict:
@@ -167,10 +167,7 @@ def main() -> None:
             config = yaml.safe_load((work / f"distill-{seeds[0]}" / "config.yaml").read_text())
             out = report(args, seeds, teacher, heldout_answers(teacher, args.heldout), teacher_cost, runs["distill"],
                          runs["sft"], config, began, load_before)
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

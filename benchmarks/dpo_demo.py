@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, cpu_name, heldout_answers, per_task
+from common import ROOT, cpu_name, emit, heldout_answers, per_task
 
 
 def python(*args: str) -> str:
@@ -138,10 +138,7 @@ def main() -> None:
                    "pair made from them) equal to the reference; before = the instruction-tuned chat_tiny run that "
                    "DPO starts from, after = the DPO run. rewards/* are the DPO run's own validation records on its "
                    "validation pairs (beta-scaled log-ratio to the reference, the SFT model)"}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":

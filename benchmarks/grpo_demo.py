@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, children_cpu_s, cpu_name, exact_rate, heldout_answers, per_task, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, emit, exact_rate, heldout_answers, per_task, shardlm, sign_test
 
 
 def curve(run: Path) -> dict:
@@ -93,10 +93,7 @@ def main() -> None:
            "note": "exact match: greedy answers to the first N prompts of chat_tasks_heldout (never trained on) equal "
                    "to the reference; before = the exported chat_tiny run GRPO starts from, after = the GRPO run's "
                    "export. curve.val[].exact_match is the run's own validation on the same prompts"}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(out, args.out)
 
 
 if __name__ == "__main__":
