@@ -8,10 +8,12 @@ A script runs as `python benchmarks/NAME.py` (or under torchrun), which puts thi
 from __future__ import annotations
 
 import math
+import os
 import platform
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,3 +192,47 @@ def sign_test(base: list[list[dict]], new: list[list[dict]]) -> dict:
     n = gained + lost
     tail = sum(math.comb(n, k) for k in range(0, min(gained, lost) + 1)) / 2**n if n else 1.0
     return {"gained": gained, "lost": lost, "p_two_sided": round(min(1.0, 2 * tail), 4)}
+
+
+# ---- the versus-a-peer harness (grpo_vs_trl, distill_vs_trl): each side a child process of the script ----------
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
+
+
+def rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def now() -> tuple[float, float]:
+    """(wall clock, this process's CPU time): on a shared machine the CPU time is the steadier."""
+    return time.perf_counter(), time.process_time()
+
+
+def launch_side(script: str, side: str, s: dict, work: Path) -> dict:
+    """Run `script --side SIDE` as a child with the settings `s` (its threads, offline hubs) and return the JSON it
+    printed on its `RESULT ` line, with the child's wall seconds."""
+    import json
+
+    cmd = [sys.executable, str(Path(script).resolve()), "--side", side, "--work", str(work),
+           "--settings", json.dumps(s)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(s["threads"]), "TOKENIZERS_PARALLELISM": "false",
+           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    began = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if not rows:
+        raise SystemExit(f"{side} failed: {tail(proc)}")
+    print(f"{side}: {time.perf_counter() - began:.0f}s", file=sys.stderr, flush=True)
+    return {**rows[0], "process_s": time.perf_counter() - began}
+
+
+def trl_machine(threads: int) -> dict:
+    """The machine and the versions a comparison with TRL ran on."""
+    import torch
+    import transformers
+    import trl
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads,
+            "load_average_at_end": list(os.getloadavg()), "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version()}

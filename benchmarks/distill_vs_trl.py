@@ -39,33 +39,16 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, cpu_name, tail
+from common import ROOT, launch_side, now, peak_rss_gb, rss_gb, trl_machine
 
 DATA = ROOT / "shardlm" / "assets" / "chat_tasks" / "train.jsonl"
 TEACHER = {"n_layer": 6, "n_head": 4, "n_embd": 192}
 STUDENT = {"n_layer": 2, "n_head": 4, "n_embd": 192}
-
-
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux: KiB
-
-
-def rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
-def now() -> tuple[float, float]:
-    """(wall clock, this process's CPU time): on a shared machine the CPU time is the steadier."""
-    return time.perf_counter(), time.process_time()
 
 
 def make_model(folder: Path, shape: dict, seed: int) -> None:
@@ -207,30 +190,6 @@ def loss_side(s: dict, work: Path) -> dict:
 
 
 # ---- the parent ------------------------------------------------------------------------------------------------
-def launch(side: str, s: dict, work: Path) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--work", str(work),
-           "--settings", json.dumps(s)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(s["threads"]), "TOKENIZERS_PARALLELISM": "false",
-           "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    began = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    rows = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    if not rows:
-        raise SystemExit(f"{side} failed: {tail(proc)}")
-    print(f"{side}: {time.perf_counter() - began:.0f}s", file=sys.stderr, flush=True)
-    return {**rows[0], "process_s": time.perf_counter() - began}
-
-
-def machine(threads: int) -> dict:
-    import torch
-    import transformers
-    import trl
-
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": threads,
-            "load_average_at_end": list(os.getloadavg()), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl.__version__, "python": platform.python_version()}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--side", choices=["shardlm", "trl", "loss"], help="(children) which side to run")
@@ -268,12 +227,13 @@ def main() -> None:
             make_model(work / "teacher", TEACHER, args.seed + 1)
         make_model(work / "student", STUDENT, args.seed)
         write_data(s, work)
-        ours = launch("shardlm", s, work)
-        theirs = launch("trl", s, work)
-        loss = launch("loss", s, work)
+        ours = launch_side(__file__, "shardlm", s, work)
+        theirs = launch_side(__file__, "trl", s, work)
+        loss = launch_side(__file__, "loss", s, work)
     s["teacher"] = args.teacher or f"random GPT-2 {TEACHER}"
     s["student"] = f"random GPT-2 {STUDENT}"
-    out = {"benchmark": "distill vs trl", "date": datetime.date.today().isoformat(), "machine": machine(args.threads),
+    out = {"benchmark": "distill vs trl", "date": datetime.date.today().isoformat(),
+           "machine": trl_machine(args.threads),
            "command": " ".join(["python", "benchmarks/distill_vs_trl.py", *sys.argv[1:]]), "settings": s,
            "shardlm": ours, "trl": theirs, "first_step_loss": loss,
            "speedup": ours["target_tokens_per_s"] / theirs["target_tokens_per_s"],
