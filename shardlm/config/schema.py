@@ -157,7 +157,7 @@ class DistillConfig:
     teacher: str | None = None  # objective distill: HF folder, hub name, shardlm run folder or export (same tokenizer)
     beta: float = 0.5  # GKD's generalized JSD: 0 = forward KL(teacher||student), 1 = reverse KL, between = JSD
     temperature: float = 1.0  # softmax temperature of both distributions in the loss (TRL's temperature)
-    alpha: float = 1.0  # loss = alpha x distillation + (1 - alpha) x next-token loss; 1 = distillation alone
+    alpha: float = 1.0  # alpha x distillation + (1 - alpha) x next-token loss; on-policy steps: distillation alone
     teacher_topk: int = 0  # 0 = the live teacher each step; K > 0 = the teacher's top-K log-probs, stored once
     on_policy: float = 0.0  # GKD's lmbda: the share of steps trained on the student's own completions
     max_new_tokens: int = 128  # on-policy completions' length cap (tokens)
