@@ -160,7 +160,6 @@ class Preference:
         nll = -alpha * (chosen * w).sum() if alpha else torch.zeros((), device=chosen.device)
         return (out.losses * w).sum(), nll, stats, w.sum()
 
-
     def micro_steps(self, trainer: Any) -> tuple[int, torch.Tensor, torch.Tensor]:
         """A step's micro-batches on pairs (`trainer`: the running shardlm.training.trainer.Trainer): (the step's
         global pairs, this rank's loss sum as pairs x loss, the STATS' sums)."""
