@@ -54,7 +54,7 @@ def kept_for_backward(trainer) -> tuple[int, int]:
     marks: list[int] = []
     hooks = [blocks[0].register_forward_pre_hook(lambda *_: marks.append(_rss_kb())),
              blocks[-1].register_forward_hook(lambda *_: marks.append(_rss_kb()))]
-    batch = trainer._train_batch(0)
+    batch = trainer.train_batch(0)
     gc.collect()
     libc.malloc_trim(0)
     before = _rss_kb()

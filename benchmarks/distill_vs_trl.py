@@ -93,7 +93,9 @@ def shardlm_trainer(s: dict, work: Path, extra: list[str]):
 def shardlm_side(s: dict, work: Path) -> dict:
     """One epoch of `Trainer.train_step` over the packed rows."""
     trainer = shardlm_trainer(s, work, [])
-    steps = -(-len(trainer.blocks(trainer.run.train)) // s["rows"])
+    from shardlm.objectives.lm import blocks
+
+    steps = -(-len(blocks(trainer.run.train)) // s["rows"])
     rss_before = rss_gb()
     ends, targets, losses = [now()], [], []
     for _ in range(steps):
@@ -168,9 +170,11 @@ def loss_side(s: dict, work: Path) -> dict:
     import torch
 
     trainer = shardlm_trainer(s, work, ["data.packing=false"])
-    batch = trainer._batch(trainer.blocks(trainer.run.train), trainer._indices(trainer.position, 0))
+    from shardlm.objectives.lm import blocks
+
+    batch = trainer._batch(blocks(trainer.run.train), trainer.indices(trainer.position, 0))
     out = trainer.train_step()
-    from shardlm.training.distill_step import RECORDS
+    from shardlm.objectives.distill.step import RECORDS
 
     targets = int(out["targets"])
     ours = {k: float(v) / targets for k, v in zip(RECORDS, out["stats"].tolist(), strict=True)}  # sums: per target

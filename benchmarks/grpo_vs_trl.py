@@ -31,7 +31,7 @@ Three child processes, one at a time, so each peak RSS (`ru_maxrss`) is its own:
    per CPU-second), peak RSS, the RSS before the first step; its first rollout saved for 3.
 2. `trl` (and `trl_gc` with `--trl-gc`): the same from `trainer.train()`, timed by a callback around each step.
 3. `loss`: shardlm's first rollout (prompt ids, completions, advantages) fed to TRL's `GRPOTrainer._compute_loss`,
-   against the Trainer's first-step loss on it and `shardlm.rl`'s `token_loss`/`step_loss` on a plain forward, and
+   against the Trainer's first-step loss on it and `objectives.rl`'s `token_loss`/`step_loss` on a plain forward, and
    the per-token log-probabilities of both sides. (At num_iterations 1 the ratio is 1, so the loss value depends
    only on the advantages and the token counts; the log-probabilities are where the forwards could differ: TRL's
    scoring forward passes no position ids, so for a model with learned absolute positions, GPT-2's, a left-padded
@@ -121,9 +121,9 @@ def shardlm_side(s: dict, work: Path) -> dict:
         lengths.append(float(out["stats"]["completions/mean_length"]))
         ends.append(now())
         if step == 0:
-            r = trainer.rl.round.scored
+            r = trainer.objective.round.scored
             torch.save({"prompt_ids": r.rollout.prompts,
-                        "batch": r.batch(trainer.rl.pad), "advantages": r.scored.advantages,
+                        "batch": r.batch(trainer.objective.pad), "advantages": r.scored.advantages,
                         "rewards": r.per_func, "loss": losses[0]}, work / "rollout.pt")
     return rates(s, ends, losses, lengths, rss_before)
 
@@ -179,13 +179,13 @@ def trl_side(s: dict, work: Path, gc: bool = False) -> dict:
 
 def loss_side(s: dict, work: Path) -> dict:
     """shardlm's first rollout through TRL's `_compute_loss` and shardlm's loss on the same model: shardlm's is the
-    Trainer's first step (its chunked head) and `shardlm.rl`'s functions on a plain forward; `prompt_ids_equal`:
+    Trainer's first step (its chunked head) and `objectives.rl`'s functions on a plain forward; `prompt_ids_equal`:
     every prompt shardlm sampled is TRL's rendering of one of the records."""
     import torch
 
     from shardlm.config import GrpoConfig
-    from shardlm.rl.logps import completion_logps
-    from shardlm.rl.objective import step_loss, token_loss
+    from shardlm.objectives.rl.logps import completion_logps
+    from shardlm.objectives.rl.loss import step_loss, token_loss
 
     saved = torch.load(work / "rollout.pt")
     trainer = trl_trainer(s, work)

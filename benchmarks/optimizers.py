@@ -88,7 +88,7 @@ def step_times(a: argparse.Namespace, rounds: int) -> dict[str, dict[str, float]
             whole[name].append(time.perf_counter() - began)
             # the optimizer step alone, on the gradients of one more backward
             t.model.train()
-            batch = t._train_batch(0)
+            batch = t.train_batch(0)
             t.forward_backward_step(batch)
             began = time.perf_counter()
             t.run.optimizer.step()

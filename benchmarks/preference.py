@@ -154,12 +154,12 @@ def shardlm_trainer(s: dict, folder: Path, work: Path, steps: int):
 def shardlm_eval(s: dict, folder: Path, work: Path) -> dict:
     import numpy as np
 
-    from shardlm.training.preference import prepare_reference, reference_key
+    from shardlm.objectives.preference.pairs import prepare_reference, reference_key, reference_source
 
     trainer = shardlm_trainer(s, folder, work, steps=1)
     began = time.perf_counter()
     # what the first evaluate / step would do
-    trainer.preference.reference = prepare_reference(trainer.reference_source())
+    trainer.objective.reference = prepare_reference(reference_source(trainer))
     reference_s = time.perf_counter() - began
     metrics = trainer.evaluate()
     key = reference_key(trainer.run)

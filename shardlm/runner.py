@@ -32,8 +32,8 @@ def train(cfg: Config, callbacks: Iterable[object] = (), *, continued: bool = Fa
                        f"{run.total_steps}. To train further raise train.max_steps (or train.epochs); to start "
                        "over use a new out_dir or checkpoint.resume=none.")
         return {"val": None, "steps": trainer.step, "wall_s": 0.0}
-    if trainer.distill is not None and trainer.step > 0:  # a resumed top-K run's stored scores: read before writing
-        trainer.distill.prepare(trainer)
+    if trainer.step > 0:  # what the objective stored for the run (a top-K teacher's scores), read before writing
+        trainer.objective.resumed(trainer)
     if run.dist.is_main:
         record_config(cfg, run.out_dir, run.dist.print, hint=not continued)
     result = trainer.fit()

@@ -135,8 +135,8 @@ def test_estimate_of_a_distill_step_within_15_percent_of_measured(corpus, cache_
         **GPT2_VOCAB, "train.objective": "distill", "distill.teacher": tmp_path / "t"}))
     trainer = Trainer.from_config(cfg)
     trainer.train_step()
-    assert trainer.distill is not None and trainer.distill.teacher is not None
-    teacher = sum(p.numel() * p.element_size() for p in trainer.distill.teacher.parameters())
+    assert trainer.objective is not None and trainer.objective.teacher is not None
+    teacher = sum(p.numel() * p.element_size() for p in trainer.objective.teacher.parameters())
     measured = measure_step_peak(trainer) + teacher
     est = estimate(cfg, trainer.run.tokenizer)
     assert est.components["teacher (fp32, sharded, frozen: no grads/state)"] == teacher

@@ -1,4 +1,4 @@
-"""On-policy distillation (shardlm.training.distill_samples): which steps train on the student's completions (keyed
+"""On-policy distillation (shardlm.objectives.distill.samples): which steps train on the student's completions (keyed
 by seed and step: a share near distill.on_policy, the same on every run), and what such a step trains on: each
 example's prompt with a completion the student samples, exactly what the RL sampler draws for that prompt with the
 example's keyed seed, its tokens the targets, scored by the teacher as the whole-logits reference scores them; 2
@@ -38,7 +38,7 @@ def chat_file(tmp_path_factory) -> Path:
 def test_on_policy_steps_are_keyed_and_take_their_share():
     """The decision of a step depends on (seed, step) alone: the same list on every call (so on any world size
     and after a resume), another list for another seed, a share near the fraction, none at 0, all at 1."""
-    from shardlm.training.distill_samples import on_policy_step
+    from shardlm.objectives.distill.samples import on_policy_step
 
     steps = range(4000)
     draws = [on_policy_step(7, s, 0.3) for s in steps]
@@ -55,9 +55,9 @@ def test_the_targets_are_the_students_own_keyed_samples(chat_file, cache_dir, tm
     prompt alone with the example's keyed seed, up to and including the end of turn where it stopped, else
     distill.max_new_tokens long; the sampled rows are packed into data.seq_len."""
     from shardlm.config import load_config
-    from shardlm.rl.sampling import TransformersSampler
+    from shardlm.objectives.distill.samples import example_key, row_keys, sampling_params, student_completions
+    from shardlm.objectives.rl.sampling import TransformersSampler
     from shardlm.tokenizer import end_of_turn_id
-    from shardlm.training.distill_samples import example_key, row_keys, sampling_params, student_completions
     from shardlm.training.trainer import Trainer
 
     cfg = load_config(None, tiny(chat_file, cache_dir, tmp_path, **{
@@ -68,13 +68,13 @@ def test_the_targets_are_the_students_own_keyed_samples(chat_file, cache_dir, tm
     eot = end_of_turn_id(tok)
     with torch.no_grad():  # the end of turn likely at some positions and not at others: both kinds of completion
         run.model.hf.get_input_embeddings().weight[eot] *= 8
-    batch = trainer._train_batch(0)
+    batch = trainer.train_batch(0)
     keys = row_keys(1000, batch.inputs.shape[0])
     sampled = student_completions(run.model, batch, tok, cfg, keys)
 
     rows = run.train
     want = []  # (prompt, key) of each example of the micro-batch, from the example cache itself
-    for r, row in enumerate(rows.rows[i] for i in trainer._indices(0, 0)):
+    for r, row in enumerate(rows.rows[i] for i in trainer.indices(0, 0)):
         for slot, k in enumerate(row):
             ids, mask = rows.examples.example(int(rows.ids[k]))
             want.append((ids[:int(np.flatnonzero(mask)[0])].tolist(), example_key(int(keys[r]), slot)))
@@ -127,15 +127,15 @@ def test_an_on_policy_step_is_the_teachers_loss_on_the_students_samples(chat_fil
 
     from shardlm.config import load_config
     from shardlm.models.distill_loss import full_distill_loss
-    from shardlm.training.distill_samples import row_keys, student_completions
+    from shardlm.objectives.distill.samples import row_keys, student_completions
     from shardlm.training.trainer import Trainer
 
     teacher = save_teacher(tmp_path / "teacher", seed=0, chatml=True)
     cfg = load_config(None, on_policy_args(chat_file, cache_dir, tmp_path / "run", teacher, **{
         "distill.on_policy": 1.0, "train.batch_size": 4}))
     trainer = Trainer.from_config(cfg)
-    student, frozen = trainer.model, trainer.distill.teacher
-    sampled = student_completions(student, trainer._train_batch(0), trainer.run.tokenizer, cfg, row_keys(0, 4))
+    student, frozen = trainer.model, trainer.objective.teacher
+    sampled = student_completions(student, trainer.train_batch(0), trainer.run.tokenizer, cfg, row_keys(0, 4))
     inputs, positions = sampled.inputs, sampled.positions
     with torch.no_grad():
         want, _ = full_distill_loss(student.hf(inputs, position_ids=positions).logits,

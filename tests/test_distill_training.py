@@ -1,4 +1,4 @@
-"""Distillation in the loop (`train.objective=distill`, shardlm.training.distill_step and teacher): the step's loss
+"""Distillation in the loop (`train.objective=distill`, shardlm.objectives.distill.step and teacher): the step's loss
 is GKD's generalized JSD to the teacher mixed with the next-token loss, exactly as the whole-logits reference gives
 it (alpha 0: sft's loss; a teacher equal to the student: no divergence); the teacher, a Llama folder whose head has
 padding rows, stays frozen and outside the optimizer and the checkpoint; 2 ranks train what one process trains,
@@ -56,9 +56,9 @@ def test_the_step_is_gkds_loss_to_the_teacher(corpus, cache_dir, tmp_path):
             "distill.beta": 0.3, "distill.temperature": 2.0, "distill.alpha": alpha, "train.loss_chunk_size": 48,
             "train.batch_size": 4}))
         trainer = Trainer.from_config(cfg)
-        assert trainer.distill is not None and trainer.distill.teacher is not None
-        student, frozen = trainer.model, trainer.distill.teacher
-        batch = trainer._train_batch(0)
+        assert trainer.objective is not None and trainer.objective.teacher is not None
+        student, frozen = trainer.model, trainer.objective.teacher
+        batch = trainer.train_batch(0)
         with torch.no_grad():
             want, parts = full_distill_loss(student.hf(batch.inputs).logits, frozen.hf(batch.inputs).logits,
                                             batch.targets, beta=0.3, temperature=2.0, alpha=alpha, vocab=257)

@@ -1,4 +1,4 @@
-"""Online RL from rewards (shardlm.rl): the loss and advantages equal TRL 1.16's (`GRPOTrainer._compute_loss` and
+"""Online RL from rewards (objectives.rl): the loss and advantages equal TRL 1.16's (`GRPOTrainer._compute_loss` and
 `RLOOTrainer._compute_loss` called on fixed inputs; the advantage lines of `_generate_and_score_completions`
 mirrored), the rewards and their one-line errors, and the sampler (seeded per prompt and sample, KV cache,
 stop tokens; FSDP2 gathered once per round on 2 gloo ranks)."""
@@ -17,7 +17,7 @@ import torch
 from helpers import ROOT, python_cmd
 from shardlm import ShardlmError
 from shardlm.config import GrpoConfig
-from shardlm.rl.objective import (
+from shardlm.objectives.rl.loss import (
     clip_counts,
     group_advantages,
     rloo_advantages,
@@ -25,8 +25,8 @@ from shardlm.rl.objective import (
     step_loss,
     token_loss,
 )
-from shardlm.rl.rewards import load_rewards
-from shardlm.rl.sampling import Rollout, SamplingParams, TransformersSampler, pick
+from shardlm.objectives.rl.rewards import load_rewards
+from shardlm.objectives.rl.sampling import Rollout, SamplingParams, TransformersSampler, pick
 
 # ---- the loss and the advantages against TRL ------------------------------------------------------------------
 
@@ -399,7 +399,7 @@ def test_fsdp2_gathers_once_per_round_and_two_ranks_equal_one(tmp_path):
 def test_completion_logps_score_each_row_as_alone():
     """Left padding changes nothing: a row's log-probabilities (at the sampling temperature) are those of its prompt
     and completion forwarded alone."""
-    from shardlm.rl.logps import completion_logps
+    from shardlm.objectives.rl.logps import completion_logps
 
     model = _model()
     rollout = Rollout([[5, 6, 7], [8]], [[1, 2], [3], [4, 4, 9], [10]], [False] * 4, group=2)
@@ -416,8 +416,8 @@ def test_completion_logps_score_each_row_as_alone():
 def test_a_tiny_model_learns_a_rule_based_reward():
     """Sample, score, normalize in groups, take the clipped-surrogate step: a tiny random model learns to say 7
     (reward: the share of 7s in its completion) in a few steps."""
-    from shardlm.rl.logps import completion_logps
-    from shardlm.rl.rewards import Reward, RewardSet
+    from shardlm.objectives.rl.logps import completion_logps
+    from shardlm.objectives.rl.rewards import Reward, RewardSet
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: threads only contend
@@ -520,8 +520,8 @@ def test_a_scored_round():
     """Sample, decode, score and normalize one round: the advantages are those of the rewards the completions got,
     batch scaling from sums equals TRL's nanstd, and the metrics are TRL's."""
     from shardlm.data.prompts import RLPrompt
-    from shardlm.rl.rewards import Reward, RewardSet
-    from shardlm.rl.rollout import round_metrics, sampling_params, score_round
+    from shardlm.objectives.rl.rewards import Reward, RewardSet
+    from shardlm.objectives.rl.rollout import round_metrics, sampling_params, score_round
     from shardlm.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer()

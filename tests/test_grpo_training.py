@@ -1,4 +1,4 @@
-"""Online RL in the training loop (shardlm.training.rl_step): the completions' log-probabilities through the chunked
+"""Online RL in the training loop (shardlm.objectives.rl.step): the completions' log-probabilities through the chunked
 head, a tiny model that learns a rule-based reward through `shardlm.train`, 2 ranks = 1 process, and a kill -9
 resume = the uninterrupted run (with a KL reference and num_iterations 2, whose first step has KL 0 and ratio 1)."""
 
@@ -42,14 +42,14 @@ def rl_args(data: tuple[Path, str], cache_dir: Path, out: Path, **extra) -> list
 
 def test_completion_logps_are_the_padded_references():
     """Through the chunked head (chunks smaller than the targets), the log-probabilities, entropies and gradients
-    are those of the whole logits on TRL's padded layout (shardlm.rl.logps), at the sampling temperature; so are
+    are those of the whole logits on TRL's padded layout (objectives.rl.logps), at the sampling temperature; so are
     those of the rows that hold a prompt once with its group's completions under a 4D mask (shared_batch)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from shardlm.models.attention import attention
     from shardlm.models.causal_lm import CausalLM, shares_prefix
-    from shardlm.rl.logps import completion_logps, micro_batch, shared_batch
-    from shardlm.rl.sampling import Rollout
+    from shardlm.objectives.rl.logps import completion_logps, micro_batch, shared_batch
+    from shardlm.objectives.rl.sampling import Rollout
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=40, n_positions=64, n_layer=2, n_embd=32, n_head=2, bos_token_id=39,
@@ -88,8 +88,8 @@ def test_the_padding_vocabulary_is_neither_sampled_nor_scored():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from shardlm.models.causal_lm import CausalLM
-    from shardlm.rl.logps import micro_batch
-    from shardlm.rl.sampling import SamplingParams, TransformersSampler
+    from shardlm.objectives.rl.logps import micro_batch
+    from shardlm.objectives.rl.sampling import SamplingParams, TransformersSampler
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=64, n_layer=1, n_embd=16, n_head=2,

@@ -30,7 +30,7 @@ def test_lora_fsdp_adapters_only_parity_and_exact_resume(lora_bases, lora_runs, 
     # 1 process: gradients reach the adapters alone, the optimizer holds the adapters alone
     trainer = Trainer.from_config(load_config(None, lora_args(corpus, cache_dir, tmp_path / "one", folders["llama"])))
     trainer.model.train()
-    trainer.forward_backward_step(trainer._train_batch(0))
+    trainer.forward_backward_step(trainer.train_batch(0))
     named = dict(trainer.model.named_parameters())
     with_grad = {n for n, p in named.items() if p.grad is not None}
     adapters = {n for n in named if ".lora_" in n}

@@ -25,7 +25,7 @@ def one_step(corpus, cache_dir, out, mode: str, **extra) -> tuple[float, dict[st
     cfg = load_config(None, tiny(corpus, cache_dir, out, **{"parallel.activation_checkpointing": mode,
                                                             "model.dropout": 0.1, **extra}))
     trainer = Trainer.from_config(cfg)
-    batch = trainer._train_batch(0)
+    batch = trainer.train_batch(0)
     ops = OpCounter()
     with ops if extra.get("parallel.compile", "false") == "false" else contextlib.nullcontext():
         loss = trainer.forward_backward_step(batch).item()

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardlm.models.preference import pair_losses
+from shardlm.objectives.preference.losses import pair_losses
 
 g = torch.Generator().manual_seed(0)
 CHOSEN, REJECTED = -torch.rand(6, generator=g) * 20 - 1, -torch.rand(6, generator=g) * 20 - 1
@@ -165,13 +165,13 @@ def test_a_live_reference_resumes_exactly(dpo_one, pairs_file, cache_dir, tmp_pa
 def test_the_stored_reference_is_the_models_own_log_probabilities(pairs_file, cache_dir, tmp_path):
     """Packed pairs, sequence ids and the segment sums give what the HF model scores for each answer alone."""
     from shardlm.config import load_config
-    from shardlm.training.preference import prepare_reference
+    from shardlm.objectives.preference.pairs import prepare_reference, reference_source
     from shardlm.training.trainer import Trainer
 
     args = pair_args(pairs_file, cache_dir, tmp_path, **{"data.seq_len": 128, "model.n_positions": 128})[1:]
     trainer = Trainer.from_config(load_config(None, args))
     assert trainer.run.train.dropped == trainer.run.train.truncated == 0
-    ref = prepare_reference(trainer.reference_source())["train"].double()
+    ref = prepare_reference(reference_source(trainer))["train"].double()
     hf, examples = trainer.model.hf.eval(), trainer.run.train.examples
     for pair in (0, 5, 17):
         for side in (0, 1):
@@ -197,7 +197,7 @@ def test_a_validation_tail_is_scored_by_the_reference_too(pairs_file, cache_dir,
 def test_eval_scores_a_dpo_run_as_its_validation_did(dpo_one, capsys):
     """`shardlm eval RUN` on pairs: the run's objective against its reference, the numbers of its last validation."""
     from shardlm.inference.evaluate import evaluate_path
-    from shardlm.training.preference import STATS
+    from shardlm.objectives.preference.pairs import STATS
 
     got, want = evaluate_path(str(dpo_one), []), records(dpo_one, "val")[-1]
     out = capsys.readouterr()
@@ -256,7 +256,7 @@ def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path
     from test_families import make_folder
 
     from shardlm.config import load_config
-    from shardlm.training.preference import score_all
+    from shardlm.objectives.preference.pairs import reference_source, score_all
     from shardlm.training.trainer import Trainer
 
     base = make_folder(tmp_path, "llama")
@@ -270,15 +270,15 @@ def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path
     assert np.count_nonzero(scores[0]) > 20
     assert np.allclose(scores[0], scores[1], rtol=1e-5, atol=1e-5)
 
-    t.preference.prepare(t.reference_source())
-    assert t.preference.frozen is None  # no copy: the policy itself, adapters off
+    t.objective.prepare(reference_source(t))
+    assert t.objective.frozen is None  # no copy: the policy itself, adapters off
     with torch.no_grad():
         for name, p in t.model.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn_like(p) * 0.5)
     t.model.train()
     batch = t.run.train.batch(np.arange(6))
-    live = t.preference.live_logps(t.model, batch, 2 * len(batch.units)).double().numpy()
+    live = t.objective.live_logps(t.model, batch, 2 * len(batch.units)).double().numpy()
     assert np.allclose(live, scores[0][batch.units.numpy()], rtol=1e-5, atol=1e-5)
     assert t.model.training  # and the adapters back on: the policy's own scores moved
     with torch.no_grad():
@@ -302,7 +302,7 @@ def _three_steps(args):
 def test_a_live_reference_trains_what_the_precomputed_one_does(pairs_file, cache_dir, tmp_path):
     """preference.reference=live (a frozen copy of the initial model scoring each micro-batch in the step) gives
     the precomputed reference's losses, gradient norms, rewards and validation, and stores nothing."""
-    from shardlm.training.preference import Preference
+    from shardlm.objectives.preference.pairs import Preference, reference_source
 
     extra = {"train.batch_size": 4, "train.grad_accum": 2, "train.eval_batches": 2}
     _, want, want_val = _three_steps(pair_args(pairs_file, cache_dir, tmp_path / "pre", **extra)[1:])
@@ -312,15 +312,15 @@ def test_a_live_reference_trains_what_the_precomputed_one_does(pairs_file, cache
     assert np.allclose(got, want, rtol=1e-5, atol=1e-6)
     assert got_val["loss"] == pytest.approx(want_val["loss"], rel=1e-5)
     assert got_val["rewards/margin"] == pytest.approx(want_val["rewards/margin"], rel=1e-5, abs=1e-7)
-    frozen = trainer.preference.frozen
+    frozen = trainer.objective.frozen
     assert frozen is not None and not frozen.training and not any(p.requires_grad for p in frozen.parameters())
     assert not list(live_cache.glob("**/reference-*.npy"))  # nothing beside the cache
     state = trainer.state_dict()
-    assert state["reference_key"] == trainer.preference.key  # a resume checks it rebuilds this initial model
+    assert state["reference_key"] == trainer.objective.key  # a resume checks it rebuilds this initial model
     resumed = Preference(trainer.cfg, trainer.device)
     resumed.resumed_key = "another base or seed"  # as a resume onto other initial weights reads it
     with pytest.raises(ShardlmError, match="preference.reference=live rebuilds the model this run started from"):
-        resumed.prepare(trainer.reference_source())
+        resumed.prepare(reference_source(trainer))
 
 
 def load_config_of(args):
@@ -342,7 +342,7 @@ def test_the_stored_references_key_names_what_computes_its_scores(tmp_path):
 
     from test_families import make_folder
 
-    from shardlm.training.preference import reference_key
+    from shardlm.objectives.preference.pairs import reference_key
 
     base = make_folder(tmp_path, "llama")
 
@@ -390,7 +390,7 @@ def test_rpo_adds_the_chosen_answers_token_mean_cross_entropy_to_dpo(pairs_file,
     import math
 
     from shardlm.config import load_config
-    from shardlm.training.preference import chosen_targets, pair_rows
+    from shardlm.objectives.preference.pairs import chosen_targets, pair_rows
     from shardlm.training.trainer import Trainer
 
     first = {}

@@ -16,7 +16,7 @@ def test_prefetched_batches_equal_direct_ones(corpus, cache_dir, tmp_path):
     for step in range(4):
         if step == 2:
             direct.position = ahead.position = 8
-        seen.append([[t._train_batch(m) for m in range(2)] for t in (direct, ahead)])
+        seen.append([[t.train_batch(m) for m in range(2)] for t in (direct, ahead)])
         direct.position += direct.global_batch
         ahead.position += ahead.global_batch
     ahead.close()

@@ -31,7 +31,7 @@ def chat_run(tmp_path):
 
 
 def _prepare(run, **kwargs):
-    from shardlm.training.teacher_scores import prepare_teacher_topk
+    from shardlm.objectives.distill.teacher_scores import prepare_teacher_topk
 
     return prepare_teacher_topk(run, run.model, K, TEMPERATURE, identity={"teacher": "itself"}, **kwargs)
 

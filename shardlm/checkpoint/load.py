@@ -1,5 +1,5 @@
 """Load a trained model from a checkpoint, a run dir or an exported HF folder, on CPU: for inference (generate,
-eval, export) and as a distillation teacher (shardlm.training.teacher), which is why it lives below both.
+eval, export) and as a distillation teacher (shardlm.objectives.distill.teacher), which is why it lives below both.
 
 The architecture and tokenizer come from what was saved, never from the command line. A DCP checkpoint is
 read into a plain CPU model: DCP reassembles full tensors from however many shards were written.

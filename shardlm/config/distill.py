@@ -1,7 +1,7 @@
 """Checks of the `distill:` section for train.objective distill, before anything is loaded: ranges, the teacher
 being named, and the combinations that cannot work (on-policy samples need prompts; stored top-K scores cannot
 cover completions sampled during training). The teacher itself (loads, shares the tokenizer) is checked where it is
-loaded (shardlm.training.teacher)."""
+loaded (shardlm.objectives.distill.teacher)."""
 
 from __future__ import annotations
 

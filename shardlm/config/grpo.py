@@ -1,6 +1,6 @@
 """Checks of the `grpo:` section for train.objective grpo and rloo, before anything is loaded: the choices with the
 nearest valid one, ranges, and how the section fits train.batch_size and data.seq_len. The reward functions
-themselves are checked where the data's fields are known (shardlm.rl.rewards)."""
+themselves are checked where the data's fields are known (shardlm.objectives.rl.rewards)."""
 
 from __future__ import annotations
 

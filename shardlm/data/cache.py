@@ -187,7 +187,7 @@ def build_once(folder: Path, write: Callable[[Path], dict], log: Callable[[str],
 
 def _commit(tmp: Path, folder: Path) -> None:
     """`tmp` becomes `folder`. A damaged folder it replaces is moved aside first, and what it held that a build
-    does not write (a preference run's stored reference, shardlm.training.preference) is carried over."""
+    does not write (a preference run's stored reference, shardlm.objectives.preference.pairs) is carried over."""
     aside = Path(f"{folder}.damaged{os.getpid()}")
     if folder.exists():
         folder.rename(aside)

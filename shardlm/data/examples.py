@@ -214,7 +214,7 @@ def _check_file(reference: Path) -> Path:
 
 
 def save_reference(path: Path, values: np.ndarray) -> None:
-    """A preference run's stored reference (shardlm.training.preference) beside its example cache, with its size
+    """A preference run's stored reference (shardlm.objectives.preference.pairs) beside its example cache, with its size
     and checksum in `NAME.check.json` (read by `reference_problem`); each written under a temporary name."""
     tmp = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
     np.save(tmp, values)

@@ -1,6 +1,6 @@
 """`shardlm eval PATH [data.val=...] [--stride S]`: loss, perplexity and accuracy of a saved model.
 
-Everything is scored by training's own evaluation (shardlm.training.validate: the Validator, through `CausalLM`),
+Everything is scored by training's own evaluation (shardlm.objectives.validate: the Validator, through `CausalLM`),
 so a family's logit transform (Gemma 2's soft-capping, Cohere's and Granite's scaling) counts as in the run's
 validation. Block mode scores the same packed blocks training validates on. `--stride` is the sliding-window
 protocol used for published GPT-2 perplexities: windows of the model's context advance by `stride` tokens and
@@ -51,11 +51,11 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import auto_loss_chunk
 from shardlm.models.hf_config import context_length, model_config
 from shardlm.models.loss import IGNORE
-from shardlm.models.preference import REFERENCE_FREE
+from shardlm.objectives.preference.losses import REFERENCE_FREE
+from shardlm.objectives.rl.step import describe_prompts, evaluate_prompts
+from shardlm.objectives.validate import TokenScores, Validator, scoring_model
 from shardlm.observe.metrics import describe_val
 from shardlm.observe.progress import EvalProgress
-from shardlm.training.rl_step import describe_prompts, evaluate_prompts
-from shardlm.training.validate import TokenScores, Validator, scoring_model
 
 
 def evaluate_blocks(model, blocks: Blocks, batch: int, max_batches: int, chunk: int) -> dict:
@@ -215,8 +215,8 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
     seed): built first, its log-probabilities of the pairs read from beside the example cache (or scored now and
     stored there; a live reference's run stored nothing: scored now, in memory). An exported folder has no run:
     only the reference-free objectives (simpo, orpo), named with train.objective."""
+    from shardlm.objectives.preference.pairs import PairScores, Preference
     from shardlm.training.build import init_dist
-    from shardlm.training.preference import PairScores, Preference
 
     objective = cfg.train.objective
     if objective == "sft":
@@ -249,8 +249,8 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
 def _reference(run_cfg: Config, tokenizer, plan, dist: Dist, rows: ExampleRows, validator: Validator) -> dict:
     """The reference's log-probabilities of the pairs: the run's initial model, built as the run built it, scores
     them (or its stored values are read)."""
+    from shardlm.objectives.preference.pairs import ReferenceSource, prepare_reference
     from shardlm.training.build import build_model
-    from shardlm.training.preference import ReferenceSource, prepare_reference
 
     hf_config = model_config(run_cfg, tokenizer)
     torch.manual_seed(run_cfg.train.seed)

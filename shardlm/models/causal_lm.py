@@ -99,7 +99,7 @@ class CausalLM(nn.Module):
         The head runs on the targets alone, in chunks whose logits are recomputed in backward
         (`target_logps`): no (tokens x vocab) logits are kept. A forward of its own, registered with FSDP2 as
         `sequence_logps` is. `mask`: a (rows, 1, T, T) boolean attention mask (True: attend) for rows that share a
-        prompt among several completions (shardlm.training.rl_step), for the SDPA families `shares_prefix` names."""
+        prompt among several completions (shardlm.objectives.rl.step), for the SDPA families `shares_prefix` names."""
         out = self._body(tokens, positions, mask=mask)
         scale = 1.0 / temperature if temperature > 0 else 1.0
         if self.full_logits:  # the padding vocabulary left out: the sampler never draws it

@@ -117,7 +117,12 @@ def _teacher_lines(cfg: Config, tokenizer) -> list[str]:
     from shardlm.hub import hub_reachable
     from shardlm.models.causal_lm import num_params
     from shardlm.models.instantiate import empty_model
-    from shardlm.training.teacher import check_teacher_tokenizer, teacher_hf_config, teacher_source, teacher_tokenizer
+    from shardlm.objectives.distill.teacher import (
+        check_teacher_tokenizer,
+        teacher_hf_config,
+        teacher_source,
+        teacher_tokenizer,
+    )
 
     if cfg.train.objective != "distill":
         return []

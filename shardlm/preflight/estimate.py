@@ -13,11 +13,11 @@ base (what autograd keeps differs: frozen weights need no inputs saved for their
 Online RL (`train.objective` grpo, rloo) has a third phase, generation, between optimizer steps: the whole model
 gathered at once, the KV cache of the rank's completions of a round and the sampling step's logits (see
 `generation_bytes`); the peak is the largest of the three phases. Its micro-batches are rows as
-shardlm.training.rl_step packs them (`rl_rows`). With `grpo.beta > 0` and no LoRA the frozen reference is one more
+shardlm.objectives.rl.step packs them (`rl_rows`). With `grpo.beta > 0` and no LoRA the frozen reference is one more
 model, sharded as the policy.
 
 Distillation (`train.objective=distill`) adds its frozen teacher and replaces the loss's rows by distill_loss's
-chunks of both models' logits (shardlm.preflight.distill_memory).
+chunks of both models' logits (shardlm.objectives.distill.memory).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import SHARED_PREFIX_FAMILIES, auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
 from shardlm.models.instantiate import empty_model
-from shardlm.preflight.distill_memory import distill_memory
+from shardlm.objectives.distill.memory import distill_memory
 from shardlm.training.optim.optimizers import state_bytes_estimate
 
 GB = 2**30
@@ -294,7 +294,7 @@ def _chunk_name(chunk: int | None) -> str:
 
 
 def rl_rows(cfg: Config, hf_cfg) -> tuple[int, int, bool]:
-    """(rows, tokens per row, shared) of a grpo/rloo micro-batch as shardlm.training.rl_step packs it, at its
+    """(rows, tokens per row, shared) of a grpo/rloo micro-batch as shardlm.objectives.rl.step packs it, at its
     longest: for the SDPA families that share a prompt (`shares_prefix`) a row per prompt, the prompt once and
     then its group's completions under a 4D mask (shared), so attention's (row x row) terms grow with group x
     max_completion_length; else a row per completion of up to data.seq_len."""
@@ -318,7 +318,7 @@ def rl_loss_bytes(cfg: Config, vocab: int, hidden: int, csize: int, head_trains:
 
 def generation_bytes(cfg: Config, hf_cfg, layers: int, csize: int, unheld: float) -> dict[str, float]:
     """Online RL's generation phase: each rank samples its completions of a round (train.batch_size x
-    train.grad_accum rows, shardlm.rl.sampling) with the model gathered whole once for the round (`unheld`: the
+    train.grad_accum rows, objectives.rl.sampling) with the model gathered whole once for the round (`unheld`: the
     bytes beyond what a training step holds gathered); keys and values cached for every row up to data.seq_len
     (prompt + grpo.max_completion_length: an upper bound, a prompt is usually shorter), plus one layer's keys
     copied while the cache grows by a token; and a decode step's (rows x vocab) logits with the fp32 tensors

@@ -39,11 +39,8 @@ from shardlm.distributed.parallelize import Plan, plan
 from shardlm.distributed.process_group import pick_device
 from shardlm.models import lora
 from shardlm.models.hf_config import check_packing
-from shardlm.models.preference import OBJECTIVES, REFERENCE_FREE
-from shardlm.observe import tracking
-from shardlm.rl.rewards import call, load_rewards
-from shardlm.training.optim import optimizers
-from shardlm.training.preference import (
+from shardlm.objectives.preference.losses import OBJECTIVES, REFERENCE_FREE
+from shardlm.objectives.preference.pairs import (
     check_objective,
     damaged_reference,
     initial_key,
@@ -53,6 +50,9 @@ from shardlm.training.preference import (
     reference_key,
     unscored,
 )
+from shardlm.objectives.rl.rewards import call, load_rewards
+from shardlm.observe import tracking
+from shardlm.training.optim import optimizers
 from shardlm.training.schedule import check_schedule
 
 OnMain = Callable[[Callable[[], str]], str]  # Dist.run_on_main: rank 0 does it, every rank gets its result or error

@@ -24,13 +24,13 @@ from shardlm.distributed.wrapping import describe_units
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params, transformer_blocks
 from shardlm.models.moe import active_fraction, expert_params, idle_expert_params, router_record
+from shardlm.objectives.distill.step import RECORDS as DISTILL_RECORDS
+from shardlm.objectives.preference.pairs import STATS
+from shardlm.objectives.rl.step import describe_prompts
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
 from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token, held_out_words
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
 from shardlm.training.build import Run, describe_optimizer
-from shardlm.training.distill_step import RECORDS as DISTILL_RECORDS
-from shardlm.training.preference import STATS
-from shardlm.training.rl_step import describe_prompts
 
 
 def global_batch(run: Run) -> int:

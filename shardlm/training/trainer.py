@@ -25,25 +25,21 @@ from shardlm.checkpoint.checkpointer import Checkpointer
 from shardlm.checkpoint.layout import checkpoints_dir
 from shardlm.checkpoint.state import RngState, model_parts
 from shardlm.config import Config
-from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import Batch, Blocks, MixtureSampler, TokenBlocks, micro_batch_position, train_sampler
 from shardlm.data.prefetch import Key, Prefetcher
-from shardlm.data.prompts import PromptRows
 from shardlm.distributed import context, xla
-from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params
 from shardlm.models.fp8 import after_optimizer_step
+from shardlm.objectives import Objective, objective_family
+from shardlm.objectives.lm import blocks
+from shardlm.objectives.validate import Validator
 from shardlm.observe.hardware import peak_flops
 from shardlm.training import reporting
 from shardlm.training.build import Run, build, build_model
-from shardlm.training.distill_step import Distill
 from shardlm.training.optim.optimizers import update_plan
 from shardlm.training.optim.update import LateRead, clip_grad_norm, fused_clip_step, grad_norm
-from shardlm.training.preference import PairScores, Preference, ReferenceSource, pair_rows
-from shardlm.training.rl_step import RLStep
 from shardlm.training.schedule import ScheduleState
-from shardlm.training.validate import TokenScores, Validator
 
 
 class Trainer:
@@ -72,11 +68,10 @@ class Trainer:
         self._prefetcher: Prefetcher | None = None
         self.scaler = torch.amp.GradScaler(self.device.type) if run.plan.dtype == torch.float16 else None
         self._plain_amp = not run.plan.use_fsdp and run.plan.dtype != torch.float32
-        rl, pairs = t.objective in RL_OBJECTIVES, t.objective not in ("sft", "distill", *RL_OBJECTIVES)
-        self.preference = Preference(self.cfg, self.device, build_model) if pairs else None
-        self.rl = RLStep(run, self.batch, self.accum, self.autocast, build_model) if rl else None
-        self.distill = Distill(run) if t.objective == "distill" else None  # its teacher built beside the model
         self.validator = Validator(self.dist, self.batch, t.eval_batches, self.autocast, self._batch)
+        self.build_model = build_model  # a frozen reference or teacher is built as the policy was
+        # What the run optimizes (shardlm.objectives): its reference, teacher or sampler is built here
+        self.objective: Objective = objective_family(t.objective).build(self)
         # The step's gradient norm is read on the host one step late where the optimizer takes the clip factor
         # (training.optim.update decides, and the run header says which)
         self.sync_free = update_plan(run.optimizer).sync_free
@@ -95,20 +90,14 @@ class Trainer:
         return {"step": self.step, "position": self.position, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
                 "callbacks": self.callbacks.state_dict(), "data_blocks": [len(self.run.train), len(self.run.val)],
-                **(self.preference.state() if self.preference else {}), **(self.rl.state() if self.rl else {}),
-                **(self.distill.state() if self.distill else {})}
+                **self.objective.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The data stream continues at the saved position even when the global batch changed."""
         self.step, self.position = state["step"], state["position"]
         self.bad_steps, self.skipped_steps = state["bad_steps"], state["skipped_steps"]
         self.callbacks.load_state_dict(state.get("callbacks", {}))
-        if self.preference is not None:  # live: the identity of the initial model it rebuilds, checked then
-            self.preference.resumed_key = state.get("reference_key")
-        if self.rl is not None:
-            self.rl.load_state(state)
-        if self.distill is not None:  # another teacher than the run's is refused here, before any step
-            self.distill.load_state(state)
+        self.objective.load_state_dict(state)  # e.g. another teacher than the run's is refused here
         blocks = [len(self.run.train), len(self.run.val)]
         if state.get("data_blocks", blocks) != blocks:
             (tr, va), (tr2, va2) = state["data_blocks"], blocks
@@ -120,8 +109,8 @@ class Trainer:
                             f"the data stream continues at block {self.position}")
 
     def tokens_seen(self) -> int:
-        """Tokens trained on; online RL: prompt and completion tokens sampled."""
-        return self.rl.tokens_seen if self.rl else self.position * self.seq_len
+        """Tokens trained on (online RL: prompt and completion tokens sampled)."""
+        return self.objective.tokens_seen(self)
 
     def tokens_by_source(self) -> list[int] | None:
         """Training tokens seen from each source of a mixture (in data.train's order); None for one source."""
@@ -160,11 +149,6 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ---- batches -------------------------------------------------------------------------------------------
-    @staticmethod
-    def blocks(split: Blocks | PromptRows) -> Blocks:
-        assert not isinstance(split, PromptRows), "online RL reads its prompts in training.rl_step"
-        return split
-
     def _batch(self, blocks: Blocks, indices: np.ndarray) -> Batch:
         batch = blocks.batch(indices)
         if self.device.type == "cuda":
@@ -173,7 +157,7 @@ class Trainer:
             return batch.map(lambda t: xla.to_device(t, self.device))
         return batch
 
-    def _indices(self, position: int, m: int) -> np.ndarray:
+    def indices(self, position: int, m: int) -> np.ndarray:
         """Block indices of this rank's micro-batch `m` of the optimizer step starting at `position`."""
         start = micro_batch_position(position, m, self.dist.data_rank, self.dist.data_world, self.batch)
         return self.sampler.indices(start, self.batch)
@@ -182,17 +166,18 @@ class Trainer:
         """(key, block indices) of every micro-batch from (position, first) on, in training order."""
         while True:
             for m in range(first, self.accum):
-                yield (position, m), self._indices(position, m)
+                yield (position, m), self.indices(position, m)
             position, first = position + self.global_batch, 0
 
-    def _train_batch(self, m: int) -> Batch:
+    def train_batch(self, m: int) -> Batch:
+        """Micro-batch `m` of this step on the device (prefetched in the background where that is on)."""
         key: Key = (self.position, m)
         if not self.prefetch:
-            return self._batch(self.blocks(self.run.train), self._indices(*key))
+            return self._batch(blocks(self.run.train), self.indices(*key))
         batch = self._prefetcher.next(key) if self._prefetcher else None
         if batch is None:  # first step, or the position moved (a checkpoint was loaded)
             self.close()
-            self._prefetcher = Prefetcher(self.blocks(self.run.train).batch, self._micro_batches(*key), self.device)
+            self._prefetcher = Prefetcher(blocks(self.run.train).batch, self._micro_batches(*key), self.device)
             batch = self._prefetcher.next(key)
             assert batch is not None  # a new prefetcher starts at `key`
         return batch
@@ -219,7 +204,7 @@ class Trainer:
         """Targets of the whole optimizer step (every rank and micro-batch): examples differ in target count, so
         the loss sum is divided once by the global count, never by a micro-batch's own. Read from the sampler on
         the host: no collective, the same on any world size."""
-        train = self.blocks(self.run.train)
+        train = blocks(self.run.train)
         if isinstance(train, TokenBlocks):
             return self.global_batch * self.seq_len
         return max(1, train.targets(self.sampler.indices(self.position, self.global_batch)))
@@ -235,22 +220,7 @@ class Trainer:
         if not self.model.training:  # train() walks every module: not per step
             self.model.train()
         opt = self.run.optimizer
-        loss_sum = torch.zeros((), device=self.device)
-        stats: torch.Tensor | dict[str, float] | None = None
-        if self.preference is not None:
-            targets, loss_sum, stats = self.preference.micro_steps(self)  # (training.preference)
-        elif self.rl is not None:  # online RL: a generation round, then its completions (training.rl_step)
-            targets, loss_sum, stats = self.rl.micro_steps(self.sampler, self.position)
-        elif self.distill is not None:  # the teacher's scores of the same micro-batches (training.distill_step)
-            targets, loss_sum, stats = self.distill.micro_steps(self)
-        else:
-            targets = self.step_targets()
-            # gradients are averaged over every rank, the context ranks that split a row's targets included
-            per_rank = targets * self.batch * self.accum / self.global_batch / self.dist.context_size
-            for m in range(self.accum):
-                batch = self._train_batch(m)
-                set_gradient_sync(self.model, m == self.accum - 1)
-                loss_sum += self.forward_backward_step(batch, per_rank)
+        targets, loss_sum, stats = self.objective.micro_steps(self)  # forward and backward of every micro-batch
         self.settle()  # the previous step, read now that this one's forward and backward are queued
         lr = float(opt.param_groups[0]["lr"])
         result: StepResult = {"loss_sum": loss_sum, "grad_norm": math.nan, "finite": True, "lr": lr,
@@ -267,7 +237,7 @@ class Trainer:
         if self.xla:  # the optimizer step as a second graph
             xla.sync()
         self.step += 1
-        self.position += self.global_batch if self.rl is None else self.rl.taken  # RL: prompts
+        self.position += self.objective.advance(self)  # online RL: prompts, none while it reuses its round
         if not self.sync_free:
             self._account(result, self.step)
         return result
@@ -319,25 +289,9 @@ class Trainer:
 
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, Any]:
-        """The validation split scored by the run's objective (shardlm.training.validate, as `shardlm eval` does):
-        next-token loss, or the preference loss and rewards."""
-        if self.rl is not None:
-            return self.rl.validate(self.run.val, self.cfg.train.eval_batches)
-        if self.distill is not None:
-            return self.distill.validate(self)
-        if self.preference is None:
-            return self.validator.validate(self.model, self.blocks(self.run.val), TokenScores())
-        rows = pair_rows(self.run.val, "validation")
-        self.preference.prepare(self.reference_source())
-        return self.validator.validate(self.model, rows, PairScores(self.preference))
-
-    def reference_source(self) -> ReferenceSource:
-        """What a preference objective's reference is made of: the run's initial settings, the policy (the
-        initial model before the first step), both splits' pairs, and the step the run is at."""
-        run = self.run
-        splits = {"train": pair_rows(run.train, "training"), "val": pair_rows(run.val, "validation")}
-        return ReferenceSource(run.cfg, run.hf_config, run.plan, self.dist, self.model, splits, self.step,
-                               self.batch, self.autocast)
+        """The validation split scored by the run's objective (as `shardlm eval` does): next-token loss, the
+        preference loss and rewards, the rewards of sampled completions, the divergence to a teacher."""
+        return self.objective.validate(self)
 
     # ---- the run -------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -357,7 +311,7 @@ class Trainer:
                     report.log_train(self.step, lr=result["lr"], grad_norm=result["grad_norm"],
                                      tokens=self.tokens_seen(),
                                      skipped_steps=self.skipped_steps, tokens_by_source=self.tokens_by_source(),
-                                     samples=self.rl.sample_lines() if self.rl else ())
+                                     samples=self.objective.sample_lines())
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < total:
                     self._evaluate(report)
                 self._maybe_save(report)
@@ -382,10 +336,10 @@ class Trainer:
         """Every rank asks `should_stop` every step: the signal check is a collective."""
         if self.checkpointer is None:
             return
-        signalled = self.checkpointer.should_stop()  # online RL: honoured at a round's end, which loses nothing
-        self.stop_requested = self.stop_requested or signalled and (self.rl is None or self.rl.cycle_done())
-        due = self.checkpointer.due(self.step, self.run.total_steps)
-        if self.stop_requested or due and (self.rl is None or self.rl.saves_at(self.step, self.run.total_steps)):
+        total = self.run.total_steps
+        signalled = self.checkpointer.should_stop()  # honoured where a checkpoint loses nothing (RL: a round's end)
+        self.stop_requested = self.stop_requested or signalled and self.objective.may_save(self.step, total)
+        if self.stop_requested or self.checkpointer.due(self.step, total) and self.objective.may_save(self.step, total):
             with report.timed("save"):
                 self.checkpointer.save(self.step)
 

@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from shardlm.models.causal_lm import CausalLM
-from shardlm.rl.gather import fsdp_units
-from shardlm.rl.sampling import SamplingParams, TransformersSampler
+from shardlm.objectives.rl.gather import fsdp_units
+from shardlm.objectives.rl.sampling import SamplingParams, TransformersSampler
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -44,7 +44,7 @@ if trainer.dist.is_main:
     print("TIED OK", flush=True)
 
 opt = trainer.run.optimizer
-trainer.forward_backward_step(trainer._train_batch(0))
+trainer.forward_backward_step(trainer.train_batch(0))
 weight = next(p for p in trainer.model.parameters() if p.dim() == 2)
 old = weight._local_tensor.clone()
 with DTensorOps() as mode:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,6 @@ from shardlm.models.attention import attention
 from shardlm.models.causal_lm import CausalLM, num_params
 from shardlm.models.hf_config import check_model, model_config
 from shardlm.tokenizer import load_tokenizer
-from shardlm.training.build import Run, build_model
 
 KINDS = "an HF model folder, a hub name, a shardlm run folder or checkpoint, or an export"
 
@@ -152,7 +152,8 @@ def teacher_changed(cfg: Config, saved: str, now: str) -> ShardlmError:
                         "run's teacher again to resume, or start over with checkpoint.resume=none or a new out_dir.")
 
 
-def load_teacher(cfg: Config, run: Run, src: TeacherSource | None = None) -> CausalLM:
+def load_teacher(cfg: Config, run: Any, build_model: Callable[..., CausalLM],
+                 src: TeacherSource | None = None) -> CausalLM:
     """The frozen teacher, built as the student was (build_model with the run's plan: FSDP2 units alike, the same
     precision), after its tokenizer is checked. The global RNG is left as it was."""
     src = src or teacher_source(cfg.distill.teacher)

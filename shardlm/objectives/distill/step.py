@@ -5,13 +5,13 @@ Each micro-batch (text blocks or examples, read as sft reads them; the scored po
 through the teacher's body first (no_grad, eval, its head copied out of FSDP2's gather once: `teacher_view`), then
 through the student's `distill` forward, whose head computes GKD's generalized JSD to the teacher mixed with the
 next-token loss in chunks of positions (shardlm.models.distill_loss). With `distill.teacher_topk=K` the teacher
-scores the data once before the first step instead (shardlm.training.teacher_scores) and is let go: the stored
+scores the data once before the first step instead (shardlm.objectives.distill.teacher_scores) and is let go: the stored
 top-K log-probabilities of the micro-batch's rows stand for it. On the steps `distill.on_policy` draws
-(shardlm.training.distill_samples), each example's answer is first replaced by the student's own completion,
+(shardlm.objectives.distill.samples), each example's answer is first replaced by the student's own completion,
 and the loss is the divergence alone (`distill.alpha`'s next-token part needs the data's answers).
 
 The step's loss is its sum over every target divided once by the step's global target count, as sft's is
-(`Trainer.step_targets`; an on-policy step counts its sampled targets with one all-reduce), so 2 ranks train what
+(`Loop.step_targets`; an on-policy step counts its sampled targets with one all-reduce), so 2 ranks train what
 one process trains and accumulation is exact. The records add the parts per target: `distill/loss` (the
 divergence), `distill/nll` (the student's next-token loss, what it is judged by), both entropies at the
 temperature, and `distill/on_policy` (the share of the targets that were the student's own samples).
@@ -20,8 +20,8 @@ temperature, and `distill/on_policy` (the share of the targets that were the stu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -32,10 +32,9 @@ from shardlm.data import Batch, micro_batch_position
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models.distill_loss import LiveTeacher, TopKTeacher
 from shardlm.models.loss import IGNORE
-from shardlm.training.build import Run
-from shardlm.training.distill_samples import on_policy_step, row_keys, step_completions
-from shardlm.training.preference import reshard
-from shardlm.training.teacher import (
+from shardlm.objectives.base import Defaults, Loop, StepOut
+from shardlm.objectives.distill.samples import on_policy_step, row_keys, step_completions
+from shardlm.objectives.distill.teacher import (
     check_teacher_tokenizer,
     identity_key,
     load_teacher,
@@ -43,22 +42,32 @@ from shardlm.training.teacher import (
     teacher_identity,
     teacher_source,
 )
-from shardlm.training.teacher_scores import TeacherScores, prepare_teacher_topk
-from shardlm.training.validate import Share
+from shardlm.objectives.distill.teacher_scores import TeacherScores, prepare_teacher_topk
+from shardlm.objectives.lm import blocks
+from shardlm.objectives.preference.pairs import reshard
+from shardlm.objectives.validate import Share
 
 if TYPE_CHECKING:
     from shardlm.models.causal_lm import CausalLM
 
-Trainer = Any  # shardlm.training.trainer's, which imports this module: the methods below take the running one
+Run = Any  # shardlm.training.build's, a layer above: its cfg, dist, plan, tokenizer, train and val
 
 PARTS = ("distill", "nll", "teacher_entropy", "student_entropy")  # distill_loss's sums, in the records' order
 RECORDS = ("distill/loss", "distill/nll", "distill/teacher_entropy", "distill/student_entropy", "distill/on_policy")
 
 
-class Distill:
+class Distill(Defaults):
     """The objective of a distillation run: its teacher (live, or its stored top-K scores) and the step."""
 
-    def __init__(self, run: Run):
+    names: ClassVar[tuple[str, ...]] = ("distill",)
+    stats: ClassVar[tuple[str, ...]] = RECORDS  # per target
+
+    @classmethod
+    def build(cls, loop: Loop) -> Distill:
+        return cls(loop.run, loop.build_model)  # its teacher built beside the model
+
+    def __init__(self, run: Run, build_model: Callable[..., CausalLM]):
+        self.build_model = build_model
         self.run, self.d, self.cfg = run, run.cfg.distill, run.cfg
         self.vocab = len(run.tokenizer)
         self.src = teacher_source(self.d.teacher)
@@ -72,20 +81,24 @@ class Distill:
         self.scores: TeacherScores | None = None
 
     def _load(self) -> CausalLM:
-        return load_teacher(self.cfg, self.run, self.src)
+        return load_teacher(self.cfg, self.run, self.build_model, self.src)
 
     # ---- what the run's state keeps: the teacher's identity -------------------------------------------------
-    def state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"teacher_key": self.key}
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resume with another teacher is refused before any step (the teacher is never in a checkpoint)."""
         saved = state.get("teacher_key")
         if saved is not None and saved != self.key:
             raise teacher_changed(self.cfg, saved, self.key)
 
+    def resumed(self, loop: Loop) -> None:
+        """A resumed top-K run's stored scores are read (and checked) before the run writes anything."""
+        self.prepare(loop)
+
     # ---- one micro-batch ---------------------------------------------------------------------------------------
-    def prepare(self, trainer: Trainer) -> None:
+    def prepare(self, trainer: Loop) -> None:
         """Top-K: the stored scores, scored now (a scoring cut short continued) if the run is at step 0, the teacher
         built for it and let go after; past step 0 they must exist, and no teacher is built."""
         if self.d.teacher_topk <= 0 or self.scores is not None:
@@ -118,7 +131,7 @@ class Distill:
         return loss_sum, torch.stack([parts[k].float() for k in PARTS])
 
     # ---- one optimizer step --------------------------------------------------------------------------------
-    def micro_steps(self, trainer: Trainer) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def micro_steps(self, trainer: Loop) -> StepOut:
         """A step's micro-batches: (the step's global targets, this rank's loss sum, the RECORDS' sums)."""
         self.prepare(trainer)
         model, accum = trainer.model, trainer.accum
@@ -133,8 +146,8 @@ class Distill:
         loss_sum = torch.zeros((), device=trainer.device)
         stats = torch.zeros(len(RECORDS), device=trainer.device)
         for m in range(accum):
-            batch = sampled[m] if sampled is not None else trainer._train_batch(m)
-            rows = trainer._indices(trainer.position, m) if self.scores is not None else None
+            batch = sampled[m] if sampled is not None else trainer.train_batch(m)
+            rows = trainer.indices(trainer.position, m) if self.scores is not None else None
             set_gradient_sync(model, m == accum - 1)
             with trainer.autocast():
                 part_sum, parts = self.loss(model, batch, "train", rows, sampled=sampled is not None)
@@ -146,27 +159,27 @@ class Distill:
                 stats[len(PARTS)] += (batch.targets != IGNORE).sum()
         return targets, loss_sum, stats
 
-    def _on_policy_batches(self, trainer: Trainer) -> list[Batch] | None:
+    def _on_policy_batches(self, trainer: Loop) -> list[Batch] | None:
         """On a step `distill.on_policy` draws: the step's micro-batches with the student's own answers (sampled
         in one round for the whole step; each example keyed by its place in the data order). Else None."""
         if not on_policy_step(self.cfg.train.seed, trainer.step, self.d.on_policy):
             return None
         d = trainer.dist
-        batches = [trainer._train_batch(m) for m in range(trainer.accum)]
+        batches = [trainer.train_batch(m) for m in range(trainer.accum)]
         keys = [row_keys(micro_batch_position(trainer.position, m, d.data_rank, d.data_world, trainer.batch),
                          trainer.batch) for m in range(trainer.accum)]
         sampled = step_completions(trainer.model, batches, self.run.tokenizer, self.cfg, keys, trainer.autocast)
         trainer.model.train()
         return sampled
 
-    def validate(self, trainer: Trainer) -> dict[str, Any]:
+    def validate(self, trainer: Loop) -> dict[str, Any]:
         """The same objective on the validation split (offline data: no completions sampled)."""
         self.prepare(trainer)
-        return trainer.validator.validate(trainer.model, trainer.blocks(self.run.val), DistillScores(self))
+        return trainer.validator.validate(trainer.model, blocks(self.run.val), DistillScores(self))
 
 
 class DistillScores:
-    """Validation of distillation (shardlm.training.validate's Scorer): the objective, its parts and the student's
+    """Validation of distillation (shardlm.objectives.validate's Scorer): the objective, its parts and the student's
     next-token loss per target; `ppl` is the student's own perplexity, exp of `distill/nll`."""
 
     fields = ("loss_sum", *PARTS, "tokens")

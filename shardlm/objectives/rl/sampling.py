@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from shardlm.rl.gather import gathered
+from shardlm.objectives.rl.gather import gathered
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,7 +1,7 @@
 """The teacher's top-K log-probabilities of every target, scored once and stored (`distill.teacher_topk=K`).
 
 A teacher too big to hold beside the student during training scores the data once, before the first step, as
-the preference reference is scored (shardlm.training.preference): each rank a share of the rows, in rounds that
+the preference reference is scored (shardlm.objectives.preference.pairs): each rank a share of the rows, in rounds that
 every rank runs alike (FSDP2's collectives stay matched), each round's scores all-reduced and written by rank 0.
 Beside the split's cache folder (the example cache, or the text token cache) lie, per split:
 
@@ -107,7 +107,7 @@ def prepare_teacher_topk(run, teacher, k: int, temperature: float, *, identity: 
                          ) -> TeacherScores:
     """The top-K scores of the training and validation rows: read from beside their caches, or (before the first
     step, `step` 0) scored by `teacher` and stored there, a killed scoring continued. `identity`: the teacher's
-    (shardlm.training.teacher's, JSON-able); by default its files' hashes."""
+    (shardlm.objectives.distill.teacher's, JSON-able); by default its files' hashes."""
     cfg, dist = run.cfg, run.dist
     vocab = len(run.tokenizer)
     if k > vocab:

@@ -18,7 +18,7 @@ longest), not put back into the rows they came from: a completion longer than th
 not fit its row. A micro-batch's row count may so differ from `train.batch_size`; the loss, a sum over targets
 divided by the step's global target count, does not depend on how the examples are laid out.
 
-Sampling is online RL's (shardlm.rl.sampling.TransformersSampler: the KV cache, rows leaving at a stop token, the
+Sampling is online RL's (objectives.rl.sampling.TransformersSampler: the KV cache, rows leaving at a stop token, the
 FSDP2 units gathered once for the whole step's prompts). Each example's generator is seeded from (train.seed, its
 key) and the key is the example's place in the data order: its row's global position (the trainer's sampler
 position, the same on any world size and after a resume) and its slot in that row, so 2 ranks sample what 1
@@ -37,7 +37,7 @@ import torch
 
 from shardlm.data.blocks import IGNORE, Batch
 from shardlm.data.packing import best_fit_decreasing
-from shardlm.rl.sampling import SamplingParams, TransformersSampler, row_seed
+from shardlm.objectives.rl.sampling import SamplingParams, TransformersSampler, row_seed
 from shardlm.tokenizer import end_of_turn_id
 
 STEP_STREAM = 0x6F6E2D706F6C6379  # the step decisions' own stream, apart from the samples' (seeded from train.seed)

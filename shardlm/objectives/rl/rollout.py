@@ -17,9 +17,9 @@ import torch
 
 from shardlm.config import GrpoConfig
 from shardlm.data.prompts import RLPrompt, completion_for_rewards
-from shardlm.rl.objective import EPS, Advantages, group_advantages, rloo_advantages
-from shardlm.rl.rewards import RewardSet
-from shardlm.rl.sampling import Rollout, Sampler, SamplingParams
+from shardlm.objectives.rl.loss import EPS, Advantages, group_advantages, rloo_advantages
+from shardlm.objectives.rl.rewards import RewardSet
+from shardlm.objectives.rl.sampling import Rollout, Sampler, SamplingParams
 
 AllReduce = Callable[[torch.Tensor, str], None]
 

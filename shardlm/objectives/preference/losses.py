@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
+PAIR_OBJECTIVES = ("dpo", "ipo", "simpo", "orpo")
+OBJECTIVES = ("sft", *PAIR_OBJECTIVES)
 REFERENCE_FREE = ("simpo", "orpo")
 
 

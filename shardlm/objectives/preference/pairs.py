@@ -1,7 +1,7 @@
 """Preference objectives in the loop (`train.objective`: dpo, ipo, simpo, orpo) and their reference model.
 
 A micro-batch holds whole pairs: both sequences of a pair in one row (shardlm.data.packing), one forward for
-both. The model gives each sequence's summed answer log-probability; shardlm.models.preference turns them into
+both. The model gives each sequence's summed answer log-probability; preference.losses turns them into
 per-pair losses. The step's loss is the sum over its pairs divided once by the global pair count (ORPO adds the
 chosen answers' token-mean cross-entropy, divided by the global chosen-token count), so 2 ranks x 4 pairs train
 what 1 x 8 trains.
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -43,8 +43,9 @@ from shardlm.data.examples import reference_problem, save_reference
 from shardlm.distributed import context
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
-from shardlm.models.preference import REFERENCE_FREE, pair_losses
-from shardlm.training.validate import Share, Validator
+from shardlm.objectives.base import Defaults, Loop, StepOut
+from shardlm.objectives.preference.losses import PAIR_OBJECTIVES, REFERENCE_FREE, pair_losses
+from shardlm.objectives.validate import Share, Validator
 
 if TYPE_CHECKING:
     from shardlm.config import Config
@@ -83,8 +84,15 @@ class ReferenceSource:
     autocast: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
 
 
-class Preference:
+class Preference(Defaults):
     """The objective of a run on pairs: per-micro-batch losses and statistics, and the reference's values."""
+
+    names: ClassVar[tuple[str, ...]] = PAIR_OBJECTIVES
+    stats: ClassVar[tuple[str, ...]] = STATS
+
+    @classmethod
+    def build(cls, loop: Loop) -> Preference:
+        return cls(loop.run.cfg, loop.device, loop.build_model)
 
     def __init__(self, cfg, device: torch.device, build_model=None):
         self.build_model = build_model  # live without LoRA: how the policy was built (shardlm.training.build's)
@@ -115,10 +123,14 @@ class Preference:
                 self.frozen = frozen_reference(src, self.build_model)
         self.ready = True
 
-    def state(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """What the run's state keeps of the reference: the initial model's identity, in live mode."""
         key = self.key or self.resumed_key
         return {"reference_key": key} if self.live and key else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Live: the identity of the initial model it rebuilds, checked when it does (and before the run)."""
+        self.resumed_key = state.get("reference_key")
 
     @torch.no_grad()
     def live_logps(self, model, batch: Batch, sequences: int) -> torch.Tensor:
@@ -160,12 +172,12 @@ class Preference:
         nll = -alpha * (chosen * w).sum() if alpha else torch.zeros((), device=chosen.device)
         return (out.losses * w).sum(), nll, stats, w.sum()
 
-    def micro_steps(self, trainer: Any) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """A step's micro-batches on pairs (`trainer`: the running shardlm.training.trainer.Trainer): (the step's
-        global pairs, this rank's loss sum as pairs x loss, the STATS' sums)."""
+    def micro_steps(self, trainer: Loop) -> StepOut:
+        """A step's micro-batches on pairs: (the step's global pairs, this rank's loss sum as pairs x loss, the
+        STATS' sums)."""
         rows = pair_rows(trainer.run.train, "training")
         if not self.ready:
-            self.prepare(trainer.reference_source())
+            self.prepare(reference_source(trainer))
             trainer.model.train()
         step_rows = trainer.sampler.indices(trainer.position, trainer.global_batch)
         pairs, chosen = max(1, rows.units(step_rows)), max(1, chosen_targets(rows, step_rows))
@@ -173,7 +185,7 @@ class Preference:
         loss_sum = torch.zeros((), device=trainer.device)
         stats = torch.zeros(len(STATS), device=trainer.device)
         for m in range(trainer.accum):
-            batch = trainer._train_batch(m)
+            batch = trainer.train_batch(m)
             set_gradient_sync(trainer.model, m == trainer.accum - 1)
             with context.split_step(trainer.dist, trainer.run.model.hf.config, batch) as mine, trainer.autocast():
                 pair_sum, nll, batch_stats, _ = self.loss(trainer.model, mine, "train")
@@ -184,9 +196,24 @@ class Preference:
         # the context ranks of a data index hold the same pair sums (context.summed): each reports its share
         return pairs, loss_sum / trainer.dist.context_size, stats / trainer.dist.context_size
 
+    def validate(self, loop: Loop) -> dict[str, Any]:
+        """The pair loss, rewards and log-probabilities on the validation pairs."""
+        rows = pair_rows(loop.run.val, "validation")
+        self.prepare(reference_source(loop))
+        return loop.validator.validate(loop.model, rows, PairScores(self))
+
+
+def reference_source(loop: Loop) -> ReferenceSource:
+    """What a preference objective's reference is made of: the run's initial settings, the policy (the initial
+    model before the first step), both splits' pairs, and the step the run is at."""
+    run = loop.run
+    splits = {"train": pair_rows(run.train, "training"), "val": pair_rows(run.val, "validation")}
+    return ReferenceSource(run.cfg, run.hf_config, run.plan, loop.dist, loop.model, splits, loop.step, loop.batch,
+                           loop.autocast)
+
 
 class PairScores:
-    """Validation of a preference objective (shardlm.training.validate's Scorer): the pair loss (with ORPO's or
+    """Validation of a preference objective (shardlm.objectives.validate's Scorer): the pair loss (with ORPO's or
     RPO's NLL term, per chosen target) and the rewards and log-probabilities per pair; padding rows weigh nothing."""
 
     fields = ("pair_loss", "nll", "pairs", *STATS, "tokens", "chosen_tokens")

@@ -1,6 +1,6 @@
 """What `train.objective=distill` adds to `shardlm estimate`: the teacher and the distillation loss's chunks.
 
-The teacher (shardlm.training.teacher) is built as the student is, so it is counted as the student's parameters
+The teacher (distill.teacher) is built as the student is, so it is counted as the student's parameters
 are: fp32, sharded over the same ranks, gathered a unit at a time in parallel.precision, and holds no gradients
 or optimizer state. It runs under no_grad before the student's forward, so of its activations only its final
 hidden states at the targets stay live through the student's step (one layer's working set during its own
@@ -32,7 +32,7 @@ class DistillMemory:
 
 def teacher_config_of(cfg: Config):
     """The teacher's HF config, read as the run reads it (no weights loaded)."""
-    from shardlm.training.teacher import teacher_hf_config, teacher_source, teacher_tokenizer
+    from shardlm.objectives.distill.teacher import teacher_hf_config, teacher_source, teacher_tokenizer
 
     src = teacher_source(cfg.distill.teacher)
     return teacher_hf_config(cfg, src, teacher_tokenizer(src, cfg.model.trust_remote_code))

@@ -7,7 +7,7 @@ the FSDP2 units gathered once for it), scores them with the reward functions, an
 `batch_size x grad_accum` completions in micro-batches of `batch_size`. A round serves `num_iterations` steps
 (μ); with μ > 1 the policy's log-probabilities at sampling time (the old ones) are kept with it. Each completion
 is scored by `CausalLM.completion_logps`, the training forward, on the ids that were sampled (never re-tokenized
-text). The loss of a micro-batch is its share of the step's (shardlm.rl.objective.step_loss with the step's
+text). The loss of a micro-batch is its share of the step's (shardlm.objectives.rl.loss.step_loss with the step's
 global counts), so 2 ranks train what 1 process trains.
 
 Sampling keys are the prompts' positions in the data order: a resumed run samples what the uninterrupted one
@@ -24,24 +24,26 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as tdist
 
+from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import eval_shares
 from shardlm.data.prompts import PromptRows, completion_for_rewards
 from shardlm.distributed.parallelize import set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import shares_prefix
-from shardlm.rl.logps import micro_batch, shared_batch, shared_pays
-from shardlm.rl.objective import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
-from shardlm.rl.rewards import exact_match
-from shardlm.rl.rollout import ScoredRound, round_metrics, sampling_params, score_round
-from shardlm.rl.sampling import Sampler, TransformersSampler
+from shardlm.objectives.base import Defaults, Loop, StepOut
+from shardlm.objectives.preference.pairs import frozen_reference, reshard
+from shardlm.objectives.rl.logps import micro_batch, shared_batch, shared_pays
+from shardlm.objectives.rl.loss import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
+from shardlm.objectives.rl.rewards import exact_match
+from shardlm.objectives.rl.rollout import ScoredRound, round_metrics, sampling_params, score_round
+from shardlm.objectives.rl.sampling import Sampler, TransformersSampler
 from shardlm.tokenizer import end_of_turn_id
-from shardlm.training.preference import frozen_reference, reshard
 
 VAL_KEYS = 1 << 40  # validation prompts' sampling keys start here, apart from the training positions
 
@@ -77,12 +79,19 @@ class Round:
     texts: list[str] = field(default_factory=list)
 
 
-class RLStep:
+class RLStep(Defaults):
     """One per run: `micro_steps` is a step's forward and backward, `validate` the RL validation."""
+
+    names: ClassVar[tuple[str, ...]] = RL_OBJECTIVES
+    stats: ClassVar[tuple[str, ...]] = ()  # the step's statistics come reduced over every rank, as a dict
+
+    @classmethod
+    def build(cls, loop: Loop) -> RLStep:
+        return cls(loop.run, loop.batch, loop.accum, loop.autocast, loop.build_model)
 
     def __init__(self, run: Any, batch: int, accum: int, autocast: Callable[[], AbstractContextManager[Any]],
                  build_model: Callable | None = None):
-        from shardlm.rl.rewards import load_rewards
+        from shardlm.objectives.rl.rewards import load_rewards
 
         cfg, g = run.cfg, run.cfg.grpo
         self.run, self.g, self.dist, self.model, self.tok = run, g, run.dist, run.model, run.tokenizer
@@ -100,16 +109,16 @@ class RLStep:
         self.params = sampling_params(g, stop, cfg.train.seed)
         self.round: Round | None = None
         self.taken = 0  # prompts the last step drew from the data (0: it reused its round)
-        self.tokens_seen = 0  # prompt and completion tokens sampled, over every rank
+        self.sampled_tokens = 0  # prompt and completion tokens sampled, over every rank
         self.frozen: Any = None  # β > 0 without LoRA: the frozen initial model
         self.shared = shares_prefix(run.model)  # a prompt's completions in one row (shared_batch)
 
     # ---- state --------------------------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {"rl_tokens": self.tokens_seen, "rl_round_used": self.round.used if self.round else 0}
+    def state_dict(self) -> dict[str, Any]:
+        return {"rl_tokens": self.sampled_tokens, "rl_round_used": self.round.used if self.round else 0}
 
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.tokens_seen = int(state.get("rl_tokens", 0))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampled_tokens = int(state.get("rl_tokens", 0))
         used = int(state.get("rl_round_used", 0))
         if 0 < used < self.g.num_iterations:  # a callback's stop inside a round (signals wait for its end)
             self.dist.print(f"note: this checkpoint was saved after {used} of the grpo.num_iterations="
@@ -120,9 +129,18 @@ class RLStep:
         """Whether the last round has served its num_iterations steps: a checkpoint then loses nothing."""
         return self.round is None or self.round.used >= self.g.num_iterations
 
-    def saves_at(self, step: int, total: int) -> bool:
-        """Periodic checkpoints wait for a round's end (num_iterations > 1), the last step's does not."""
+    def may_save(self, step: int, total: int) -> bool:
+        """Checkpoints, periodic or for a signal, wait for a round's end (num_iterations > 1); the last step's
+        does not."""
         return self.cycle_done() or step == total
+
+    def tokens_seen(self, loop: Loop) -> int:  # noqa: ARG002 (the protocol's signature)
+        """Prompt and completion tokens sampled."""
+        return self.sampled_tokens
+
+    def advance(self, loop: Loop) -> int:  # noqa: ARG002 (the protocol's signature)
+        """The data order holds prompts: a step draws a round's, or none when it reuses its round."""
+        return self.taken
 
     # ---- collectives --------------------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -161,7 +179,7 @@ class RLStep:
         sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
                                 float(sum(mb.mask.sum().item() for mb in micro))], dtype=torch.float64)
         self.all_reduce(sampled)
-        self.tokens_seen += int(sampled[0].item())
+        self.sampled_tokens += int(sampled[0].item())
         metrics |= {"step_completions": float(self.per_step * self.g.group), "step_tokens": sampled[0].item()}
         out = Round(scored, micro, float(sampled[1].item()), metrics, texts=scored.texts)
         self._score_before_training(out)
@@ -211,12 +229,12 @@ class RLStep:
         return logps
 
     # ---- a step -------------------------------------------------------------------------------------------------
-    def micro_steps(self, order: Any, position: int) -> tuple[int, torch.Tensor, dict[str, float]]:
+    def micro_steps(self, loop: Loop) -> StepOut:
         """A step's forwards and backwards: (1, this rank's share of the step's loss, the step's statistics over
-        every rank). `order` is the data order (the trainer's sampler), `position` the next prompt's place in it."""
+        every rank), on the prompts of the data order (`loop.sampler`) from `loop.position` on."""
         self.taken = 0
         if self.cycle_done():
-            self.round = self._new_round(order.indices(position, self.per_step), position)
+            self.round = self._new_round(loop.sampler.indices(loop.position, self.per_step), loop.position)
             self.taken = self.per_step
         r = self.round
         assert r is not None
@@ -272,8 +290,11 @@ class RLStep:
         return out
 
     # ---- validation ---------------------------------------------------------------------------------------------
+    def validate(self, loop: Loop) -> dict[str, Any]:
+        return self.validate_prompts(loop.run.val, loop.run.cfg.train.eval_batches)
+
     @torch.no_grad()
-    def validate(self, val: Any, eval_batches: int) -> dict[str, Any]:
+    def validate_prompts(self, val: Any, eval_batches: int) -> dict[str, Any]:
         """The mean reward of one sampled completion per prompt (seeded) and the share of greedy completions that
         equal the prompt's `answer` (exact match, `shardlm eval --exact-match`'s rule), over run.val's prompts;
         every rank takes its share, padding rows (index -1) weigh nothing, so 1 or 2 ranks give the same."""
@@ -336,13 +357,13 @@ def evaluate_prompts(model: Any, tokenizer: Any, cfg: Any, device: torch.device)
 
     from shardlm.data.prompt_cache import prepare_prompts
     from shardlm.distributed.process_group import Dist, LaunchInfo
-    from shardlm.training.validate import scoring_model
+    from shardlm.objectives.validate import scoring_model
 
     dist = Dist(LaunchInfo("single"), device)
     _, val = prepare_prompts(cfg.data, tokenizer, dist)
     lm = scoring_model(model, cfg.train.loss_chunk_size or 0)
     run = SimpleNamespace(cfg=cfg, dist=dist, model=lm, tokenizer=tokenizer, train=val)
-    result = RLStep(run, cfg.train.batch_size, 1, contextlib.nullcontext).validate(val, cfg.train.eval_batches)
+    result = RLStep(run, cfg.train.batch_size, 1, contextlib.nullcontext).validate_prompts(val, cfg.train.eval_batches)
     return result | {"held_out_tokens": len(val)}
 
 

@@ -8,7 +8,7 @@ vocabulary count exactly as in training — the sums added in float64 and all-re
 
 What is summed is the objective's: a `Scorer` names its sums (`fields`), gives them for one batch and turns
 their global totals into the result. Text and examples have `TokenScores` (loss per target, perplexity,
-accuracy); preference pairs `PairScores` (shardlm.training.preference); an objective to come (GRPO, distillation)
+accuracy); preference pairs `PairScores` (objectives.preference.pairs); distillation `DistillScores`; each objective
 brings its own and reuses the loop, the sharding over ranks and the padding rules.
 """
 
