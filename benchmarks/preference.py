@@ -154,7 +154,8 @@ def shardlm_trainer(s: dict, folder: Path, work: Path, steps: int):
 def shardlm_eval(s: dict, folder: Path, work: Path) -> dict:
     import numpy as np
 
-    from shardlm.objectives.preference.pairs import prepare_reference, reference_key, reference_source
+    from shardlm.objectives.preference.pairs import reference_source
+    from shardlm.objectives.preference.reference import prepare_reference, reference_key
 
     trainer = shardlm_trainer(s, folder, work, steps=1)
     began = time.perf_counter()

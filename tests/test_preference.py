@@ -256,7 +256,8 @@ def test_a_lora_runs_reference_is_the_base_model(pairs_file, cache_dir, tmp_path
     from test_families import make_folder
 
     from shardlm.config import load_config
-    from shardlm.objectives.preference.pairs import reference_source, score_all
+    from shardlm.objectives.preference.pairs import reference_source
+    from shardlm.objectives.preference.reference import score_all
     from shardlm.training.trainer import Trainer
 
     base = make_folder(tmp_path, "llama")
@@ -342,7 +343,7 @@ def test_the_stored_references_key_names_what_computes_its_scores(tmp_path):
 
     from test_families import make_folder
 
-    from shardlm.objectives.preference.pairs import reference_key
+    from shardlm.objectives.preference.reference import reference_key
 
     base = make_folder(tmp_path, "llama")
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import math
 
 from shardlm import ShardlmError
-from shardlm.config.distill import check_distill
-from shardlm.config.grpo import RL_OBJECTIVES, check_grpo
+from shardlm.config import objectives
 from shardlm.config.schema import (
     AC_MODES,
     ANSWER_ENDS,
@@ -24,8 +23,6 @@ from shardlm.config.schema import (
     Config,
 )
 from shardlm.config.suggest import nearest
-
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo", *RL_OBJECTIVES, "distill")
 
 
 def choice_key(name: str) -> str:
@@ -63,7 +60,7 @@ def validate(cfg: Config) -> None:
         ("data.truncation", cfg.data.truncation, TRUNCATIONS),
         ("data.on_bad_example", cfg.data.on_bad_example, ON_BAD_EXAMPLE),
         ("data.answer_end", cfg.data.answer_end, ANSWER_ENDS),
-        ("train.objective", cfg.train.objective, OBJECTIVES),
+        ("train.objective", cfg.train.objective, objectives.OBJECTIVES),
         ("preference.reference", cfg.preference.reference, ("precomputed", "live")),
     ):
         if value not in choices:
@@ -71,11 +68,6 @@ def validate(cfg: Config) -> None:
                                + CHOICE_HINTS.get(name, ""))
     t = cfg.train
     _positive("preference.rpo_alpha", cfg.preference.rpo_alpha, allow_zero=True)
-    if cfg.preference.rpo_alpha and t.objective not in ("dpo", "ipo"):
-        raise ShardlmError(f"preference.rpo_alpha adds the chosen answers' cross-entropy to dpo or ipo; "
-                           f"train.objective={t.objective} " + ("has its own (orpo)." if t.objective == "orpo" else
-                                                                "does not take it.")
-                           + " Set preference.rpo_alpha=0 or train.objective=dpo.")
     _positive("train.batch_size", t.batch_size)
     _positive("train.grad_accum", t.grad_accum)
     _positive("data.seq_len", cfg.data.seq_len)
@@ -106,10 +98,7 @@ def validate(cfg: Config) -> None:
     _check_lora(cfg)
     ac_mode(cfg.parallel.activation_checkpointing)
     wrap_size(cfg.parallel.wrap)
-    if t.objective in RL_OBJECTIVES:
-        _check_rl(cfg)
-    if t.objective == "distill":
-        check_distill(cfg)
+    objectives.check(cfg)  # its section's (grpo, distill, preference.rpo_alpha)
     m = cfg.model
     if m.attention not in ATTENTION_CHOICES:
         raise ShardlmError(f"model.attention={m.attention!r} is not one of {', '.join(ATTENTION_CHOICES)}."
@@ -128,17 +117,6 @@ def validate(cfg: Config) -> None:
                 f"data.seq_len={cfg.data.seq_len} exceeds model.n_positions={m.n_positions}: "
                 f"lower data.seq_len or raise model.n_positions."
             )
-
-
-def _check_rl(cfg: Config) -> None:
-    """The grpo: section, and dropout: the completions are sampled without dropout, so training with it scores
-    another policy than the one sampled (the ratio at grpo.num_iterations=1 would not be 1)."""
-    for name, p in (("model.dropout", cfg.model.dropout), ("lora.dropout", cfg.lora.dropout if cfg.lora.r else 0)):
-        if p > 0:
-            raise ShardlmError(f"{name}={p} with train.objective={cfg.train.objective}: dropout makes the trained "
-                               "policy differ from the sampled one (the ratio at grpo.num_iterations=1 would not "
-                               f"be 1). Set {name}=0.")
-    check_grpo(cfg)
 
 
 def _check_mixture(cfg: Config) -> None:

@@ -8,7 +8,6 @@ from shardlm import ShardlmError
 from shardlm.config.schema import Config, GrpoConfig
 from shardlm.config.suggest import nearest
 
-RL_OBJECTIVES = ("grpo", "rloo")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardlm import ShardlmError
+from shardlm.config import objectives
 from shardlm.config.checks import canonical_sharding, validate
-from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.config.schema import KEY_ALIASES, Config, all_keys
 from shardlm.config.suggest import nearest
 
@@ -194,20 +194,16 @@ def _value(cfg: Config, key: str) -> Any:
 FINETUNE_DEFAULTS: dict[str, float] = {"train.lr": 5e-5, "train.epochs": 3.0, "train.warmup_steps": 0,
                                        "train.weight_decay": 0.0}
 LORA_LR = 2e-4
-# Online RL takes TRL's: GRPOConfig's and RLOOConfig's learning rate (LoRA or not), and RLOOConfig's group and KL
-# coefficient for rloo (the grpo section's own defaults are GRPOConfig's: group 8, beta 0).
-RL_LR = 1e-6
-RLOO_DEFAULTS: dict[str, float] = {"grpo.group": 2, "grpo.beta": 0.05}
 
 
 def task_defaults(cfg: Config) -> dict[str, float]:
     """The defaults of the run's task that differ from the dataclass's: none from scratch (model.name null) but
-    rloo's own."""
-    out = RLOO_DEFAULTS if cfg.train.objective == "rloo" else {}
+    the objective's own (TRL's config for it: rloo's group and beta)."""
+    s = objectives.spec(cfg)
     if cfg.model.name is None:
-        return dict(out)
-    lr = RL_LR if cfg.train.objective in RL_OBJECTIVES else LORA_LR if cfg.lora.r > 0 else FINETUNE_DEFAULTS["train.lr"]
-    return {**FINETUNE_DEFAULTS, "train.lr": lr, **out}
+        return dict(s.defaults)
+    lr = s.lr or (LORA_LR if cfg.lora.r > 0 else FINETUNE_DEFAULTS["train.lr"])
+    return {**FINETUNE_DEFAULTS, "train.lr": lr, **s.defaults}
 
 
 def task_defaults_note(cfg: Config) -> str | None:
@@ -218,11 +214,12 @@ def task_defaults_note(cfg: Config) -> str | None:
             if _value(cfg, key) == value and key not in unused]
     if not used:
         return None
-    trl = f"TRL's {'RLOOConfig' if cfg.train.objective == 'rloo' else 'GRPOConfig'}"
+    s = objectives.spec(cfg)
+    trl = f"TRL's {s.peer}"
     if cfg.model.name is None:
         return f"train.objective={cfg.train.objective} defaults ({trl}): {', '.join(used)}; set any to override"
     what = "a pretrained model with LoRA" if cfg.lora.r > 0 else "a pretrained model"
-    rl = f"; train.objective={cfg.train.objective} takes {trl}'s" if cfg.train.objective in RL_OBJECTIVES else ""
+    rl = f"; train.objective={cfg.train.objective} takes {trl}'s" if s.lr is not None else ""
     return f"fine-tuning defaults (model.name is {what}{rl}): {', '.join(used)}; set any to override"
 
 

@@ -41,14 +41,15 @@ class Prepared:
 
 
 def prepare(cfg: Config, log=print) -> list[Prepared]:
-    from shardlm.config.grpo import RL_OBJECTIVES
+    from shardlm.config import objectives
     from shardlm.data.cache import build_cache, cache_root
     from shardlm.data.examples import build_examples, source_format
     from shardlm.data.prompt_cache import build_prompts, one_source, prompt_source
     from shardlm.data.sources import resolve
     from shardlm.tokenizer import model_tokenizer
 
-    if cfg.train.objective in RL_OBJECTIVES:
+    prompts = objectives.spec(cfg).reads == "prompts"  # online RL's, rendered with the generation prompt
+    if prompts:
         one_source(cfg.data)
     tokenizer = model_tokenizer(cfg.model)
     root = cache_root(cfg.data.cache_dir)
@@ -68,7 +69,7 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
             if not msg.startswith(("tokenized ", "rendered ")):  # the summary below says it
                 log(msg)
 
-        if cfg.train.objective in RL_OBJECTIVES:  # online RL's prompts, rendered with the generation prompt
+        if prompts:
             source = prompt_source(spec, cfg.data, split, f"data.{name}")
             folder = build_prompts(source, tokenizer, cfg.data, root, log=tee)
         elif source_format(source, cfg.data)[0] != "text":  # examples: rendered with the chat template

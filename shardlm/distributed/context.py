@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from shardlm import ShardlmError
-from shardlm.config import Config
+from shardlm.config import Config, objectives
 from shardlm.data.blocks import Batch
 from shardlm.distributed.process_group import Dist
 
@@ -36,7 +36,6 @@ CONTEXT_ATTENTION = "shardlm_context"
 CONTEXT_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SDPA_NAMES = ("sdpa", "shardlm_sdpa")  # models.attention.CAUSAL_SDPA is "shardlm_sdpa"
 IGNORE = -100
-SPLIT_OBJECTIVES = ("sft", "dpo", "ipo", "simpo", "orpo")
 
 _active: list[Any] = [None]  # (Context, masks by dtype) while a split step runs
 
@@ -60,7 +59,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
         raise ShardlmError(f"parallel.context={n} does not divide the world size ({world_size} ranks): each row is "
                            f"split over {n} ranks of a data index. Launch a multiple of {n} ranks, or set "
                            f"parallel.context to a divisor of {world_size}.")
-    if cfg.train.objective not in SPLIT_OBJECTIVES:
+    if not objectives.spec(cfg).context_split:
         raise ShardlmError(f"parallel.context={n} with train.objective={cfg.train.objective}: rows are split for "
                            "the next-token loss (text and examples) and preference pairs only so far; use "
                            "parallel.context=1 for it.")

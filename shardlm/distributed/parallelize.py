@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.config import Config, ParallelConfig
+from shardlm.config import Config, ParallelConfig, objectives
 from shardlm.config.checks import ac_mode, wrap_size
 from shardlm.distributed import checkpointing, context, wrapping
 from shardlm.distributed.process_group import Dist
@@ -53,11 +53,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         from shardlm.distributed import xla
 
         xla.check(p, world_size)
-        sampled = cfg.train.objective in ("grpo", "rloo") or \
-            (cfg.train.objective == "distill" and cfg.distill.on_policy > 0)
-        if sampled:  # a KV-cache decode of changing length, one graph per token
-            what = f"train.objective={cfg.train.objective}" if cfg.train.objective != "distill" else \
-                f"distill.on_policy={cfg.distill.on_policy:g}"
+        if what := objectives.spec(cfg).samples(cfg):  # a KV-cache decode of changing length, one graph per token
             raise ShardlmError(f"{what} is not supported on XLA yet: its sampling decodes token by token with a "
                                "growing KV cache, which XLA would recompile at every length. Run it on CUDA or CPU "
                                "(parallel.device=cuda/cpu).")
@@ -309,3 +305,12 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2's; an unsharded model has none
     if sync is not None:
         sync(enabled)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """FSDP2 keeps some units gathered after a forward (for the backward that follows): a frozen model has none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

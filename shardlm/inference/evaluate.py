@@ -33,8 +33,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.checkpoint.layout import metrics_file, read_config, read_manifest, run_dir_of
 from shardlm.checkpoint.load import inference_config, load_for_inference
-from shardlm.config import Config, LoraConfig, build_config, parse_overrides, to_flat_dict
-from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.config import Config, LoraConfig, build_config, objectives, parse_overrides, to_flat_dict
 from shardlm.data import Batch, Blocks, ExampleRows, TokenBlocks
 from shardlm.data.examples import ExampleSet
 from shardlm.data.mixture import MixtureBlocks
@@ -51,8 +50,8 @@ from shardlm.models import lora
 from shardlm.models.causal_lm import auto_loss_chunk
 from shardlm.models.hf_config import context_length, model_config
 from shardlm.models.loss import IGNORE
-from shardlm.objectives.preference.losses import REFERENCE_FREE
-from shardlm.objectives.rl.step import describe_prompts, evaluate_prompts
+from shardlm.objectives import objective_family
+from shardlm.objectives.rl.step import evaluate_prompts
 from shardlm.objectives.validate import TokenScores, Validator, scoring_model
 from shardlm.observe.metrics import describe_val
 from shardlm.observe.progress import EvalProgress
@@ -149,9 +148,10 @@ def evaluate_path(path: str, overrides: list[str], stride: int | None = None, ge
         flat["train.eval_batches"] = 0  # the whole validation set unless told otherwise
         flat.update(parse_overrides(overrides))
         cfg = build_config({k: v for k, v in flat.items() if not k.startswith(("model.", "lora."))})
-        if cfg.train.objective in RL_OBJECTIVES and not (stride or gen.n or exact_match):  # as its validation
+        if objectives.spec(cfg).reads == "prompts" and not (stride or gen.n or exact_match):  # as its validation
             result = evaluate_prompts(model, tokenizer, cfg, device)
-            print(f"val {describe_prompts(result, result['held_out_tokens'])}", file=sys.stderr)
+            family = objective_family(cfg.train.objective)
+            print(f"val {family.describe_val(cfg, result, result['held_out_tokens'])}", file=sys.stderr)
             print(json.dumps(result), file=stdout)
             return result
         tails = _validation_tails(cfg, tokenizer, device, exported=saved is None)
@@ -218,12 +218,12 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
     from shardlm.objectives.preference.pairs import PairScores, Preference
     from shardlm.training.build import init_dist
 
-    objective = cfg.train.objective
-    if objective == "sft":
+    objective, spec = cfg.train.objective, objectives.spec(cfg)
+    if spec.reads != "pairs":
         raise ShardlmError("the validation data holds preference pairs, which the next-token loss does not score: "
                            "evaluate a preference run, or name its objective (train.objective=dpo, ipo, simpo or "
                            "orpo).")
-    if saved is None and objective not in REFERENCE_FREE:
+    if saved is None and spec.reference:
         raise ShardlmError(f"train.objective={objective} scores pairs against the reference, the model a run "
                            f"started from: an exported folder does not record it. Evaluate the run's checkpoint "
                            f"(or its run dir) instead, or use a reference-free objective (simpo, orpo).")
@@ -249,7 +249,7 @@ def evaluate_pairs(model, tokenizer, saved: Config | None, cfg: Config, rows: Ex
 def _reference(run_cfg: Config, tokenizer, plan, dist: Dist, rows: ExampleRows, validator: Validator) -> dict:
     """The reference's log-probabilities of the pairs: the run's initial model, built as the run built it, scores
     them (or its stored values are read)."""
-    from shardlm.objectives.preference.pairs import ReferenceSource, prepare_reference
+    from shardlm.objectives.preference.reference import ReferenceSource, prepare_reference
     from shardlm.training.build import build_model
 
     hf_config = model_config(run_cfg, tokenizer)

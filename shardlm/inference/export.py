@@ -216,14 +216,10 @@ def _loss(record: dict | None) -> str | None:
 
 
 def _objective(cfg) -> str | None:
-    """A preference run's objective and its settings (an sft run's next-token loss needs no row)."""
-    t, p = cfg.train, cfg.preference
-    if t.objective == "sft":
-        return None
-    settings = [f"preference.beta {p.beta:g}", *([f"gamma {p.gamma:g}"] if t.objective == "simpo" else []),
-                *([f"reference {p.reference}"] if t.objective in ("dpo", "ipo") else []),
-                *([f"rpo_alpha {p.rpo_alpha:g}"] if p.rpo_alpha and t.objective in ("dpo", "ipo") else [])]
-    return f"{t.objective} on preference pairs ({', '.join(settings)})"
+    """The run's objective and its settings, as the objective says them (an sft run's next-token loss: none)."""
+    from shardlm.objectives import objective_family
+
+    return objective_family(cfg.train.objective).card_line(cfg)
 
 
 def _val_loss(record: dict | None, cfg) -> str | None:

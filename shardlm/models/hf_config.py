@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardlm import ShardlmError
-from shardlm.config import Config, nearest
+from shardlm.config import Config, nearest, objectives
 from shardlm.hub import check_model_path, hub_kwargs, hub_reachable
 from shardlm.models.attention import PACKING_FAMILIES, TESTED_FAMILIES, attention, check_attention
 from shardlm.models.moe import is_moe
@@ -178,7 +178,7 @@ def check_model(hf_cfg, cfg: Config) -> None:
                            "position would see the token it is trained to predict. Train a causal LM (GPT-2, Llama, "
                            f"Qwen, ...), or set model.config_overrides='{{\"{flag}\": true}}' to train it as a "
                            "decoder.")
-    if cfg.train.objective != "sft" and is_moe(hf_cfg) and getattr(hf_cfg, "output_router_logits", False):
+    if not objectives.spec(cfg).router_loss and is_moe(hf_cfg) and getattr(hf_cfg, "output_router_logits", False):
         raise ShardlmError(f"train.objective={cfg.train.objective} on a mixture-of-experts model whose config adds the "
                            "router's load-balancing loss (output_router_logits=true): shardlm's preference losses do "
                            "not add it yet. Set model.config_overrides='{\"output_router_logits\": false}' to "

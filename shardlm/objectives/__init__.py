@@ -13,7 +13,8 @@ family, never test its name (docs/design.md, "Adding an objective"). Importing t
 
 from __future__ import annotations
 
-from shardlm.objectives.base import Defaults, Loop, Objective, StepOut
+from shardlm.objectives.base import Loop, Objective, StepOut
+from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.distill.step import Distill
 from shardlm.objectives.lm import LanguageModeling
 from shardlm.objectives.preference.pairs import Preference

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -29,6 +30,37 @@ import torch
 
 StepOut = tuple[int, torch.Tensor, "torch.Tensor | dict[str, float] | None"]
 """(the step's global count the loss is a mean over, this rank's loss sum, the step's statistics)."""
+
+
+@dataclass
+class Footprint:
+    """What `shardlm estimate` has computed of a rank's step when it asks the objective for its own terms."""
+
+    hf_config: Any
+    tokenizer: Any
+    tokens: int  # a micro-batch's tokens on this rank
+    shard: int  # ranks a parameter is sharded over
+    csize: int  # bytes of the compute dtype
+    on_device: float  # 0 with CPU offload
+    use_fsdp: bool
+    chunk: int  # the loss's rows at a time (0: the whole logits)
+    head: tuple[int, int, bool]  # the policy's head: vocab rows, hidden size, whether it trains
+    full_logits: bool  # the family computes its logits in its own forward
+    layers: int
+    initial_model: float  # bytes of a frozen copy of the initial model (fp32, sharded as the policy)
+    gathered: float  # bytes of parameters a training step holds gathered
+    whole: float  # bytes of the whole model in the compute dtype
+
+
+@dataclass
+class MemoryTerms:
+    """The objective's terms in the estimate: held through the step (a reference, a teacher), its loss's buffers
+    in place of the next-token loss's, a phase of its own that may set the peak (online RL's generation), notes."""
+
+    resident: dict[str, float] = field(default_factory=dict)
+    loss: dict[str, float] | None = None
+    phase: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 class Loop(Protocol):
@@ -65,6 +97,52 @@ class Objective(Protocol):
 
     names: ClassVar[tuple[str, ...]]  # the values of train.objective it trains
     stats: ClassVar[tuple[str, ...]]  # the names of its per-step statistics sums (reported per `count`)
+    sampled: ClassVar[bool]  # its records are rates of sampled completions (online RL), not of blocks
+
+    # ---- before the run: build and --dry-run alike (shardlm.training.checks) -------------------------------
+    @classmethod
+    def load_data(cls, cfg: Any, tokenizer: Any, dist: Any, load: Callable | None = None) -> tuple[Any, Any]:
+        """The training and validation splits it reads (`dist` None and a counting `load`: the dry run's)."""
+        ...
+
+    @classmethod
+    def check_data(cls, cfg: Any, hf_cfg: Any, train: Any, val: Any) -> None: ...  # the record kinds it takes
+
+    @classmethod
+    def count_steps(cls, cfg: Any, train: Any, world: int) -> int: ...  # the run's steps on this data
+
+    @classmethod
+    def check_resume(cls, cfg: Any, hf_cfg: Any, train: Any, val: Any, resumed: Any, on_main: Callable) -> None:
+        """What a resumed run must find again that the checkpoint does not hold (a stored reference)."""
+        ...
+
+    @classmethod
+    def data_line(cls, cfg: Any, train: Any, val: Any, steps: int, rows: int) -> str:
+        """The run header's and the dry run's data line: splits, steps, what a step takes (`rows` per step)."""
+        ...
+
+    @classmethod
+    def describe_val(cls, cfg: Any, result: dict[str, Any], held_out: int) -> str: ...  # a validation in words
+
+    @classmethod
+    def card_line(cls, cfg: Any) -> str | None: ...  # the model card's objective row (`shardlm export`)
+
+    @classmethod
+    def count_line(cls, cfg: Any, train: Any, val: Any, steps: int, rows: int) -> str: ...  # the dry run's
+
+    @classmethod
+    def preflight_lines(cls, cfg: Any, tokenizer: Any, train: Any) -> list[str]: ...  # the dry run's data lines
+
+    @classmethod
+    def model_lines(cls, cfg: Any, tokenizer: Any) -> list[str]: ...  # ... and models beside the policy
+
+    @classmethod
+    def memory_rows(cls, cfg: Any, hf_cfg: Any) -> tuple[int, int, bool]:
+        """(rows, tokens per row, shared prefix under a 4D mask) of a micro-batch, at its longest."""
+        ...
+
+    @classmethod
+    def memory(cls, cfg: Any, f: Footprint) -> MemoryTerms: ...  # its terms in `shardlm estimate`
 
     @classmethod
     def build(cls, loop: Loop) -> Objective: ...  # in the Trainer, once: its reference, teacher or sampler
@@ -88,30 +166,3 @@ class Objective(Protocol):
 
     def sample_lines(self) -> Iterable[str]: ...  # lines the log prints beside a step's record
 
-
-class Defaults:
-    """What most objectives do where the protocol asks: no state of their own, a step takes `global_batch`
-    rows of the data order, tokens are rows x seq_len, any step may be saved, nothing printed per step."""
-
-    stats: ClassVar[tuple[str, ...]] = ()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-    def resumed(self, loop: Loop) -> None:
-        pass
-
-    def tokens_seen(self, loop: Loop) -> int:
-        return loop.position * loop.run.cfg.data.seq_len
-
-    def advance(self, loop: Loop) -> int:
-        return loop.global_batch
-
-    def may_save(self, step: int, total: int) -> bool:  # noqa: ARG002 (the protocol's signature)
-        return True
-
-    def sample_lines(self) -> Iterable[str]:
-        return ()

@@ -7,10 +7,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from shardlm.config import objectives as specs
 from shardlm.data import Blocks
 from shardlm.data.prompts import PromptRows
 from shardlm.distributed.parallelize import set_gradient_sync
-from shardlm.objectives.base import Defaults, Loop, StepOut
+from shardlm.objectives.base import Loop, StepOut
+from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.validate import TokenScores
 
 
@@ -21,10 +23,10 @@ def blocks(split: Any) -> Blocks:
 
 
 class LanguageModeling(Defaults):
-    names: ClassVar[tuple[str, ...]] = ("sft",)
+    names: ClassVar[tuple[str, ...]] = specs.names("lm")
 
     @classmethod
-    def build(cls, loop: Loop) -> LanguageModeling:  # noqa: ARG003 (the protocol's signature)
+    def build(cls, loop: Loop) -> LanguageModeling:
         return cls()
 
     def micro_steps(self, loop: Loop) -> StepOut:

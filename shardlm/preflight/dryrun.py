@@ -25,11 +25,11 @@ import re
 from pathlib import Path
 
 from shardlm import ShardlmError
-from shardlm.config import Config, DataConfig
-from shardlm.config.grpo import RL_OBJECTIVES
-from shardlm.data import PromptRows, Split
+from shardlm.config import Config, DataConfig, objectives
+from shardlm.data import Split
 from shardlm.distributed.parallelize import Plan, check_model
 from shardlm.models import lora
+from shardlm.objectives import objective_family
 from shardlm.training import checks
 
 PEEK_FILES, PEEK_RECORDS = 100, 2  # what of the data a dry run reads
@@ -62,23 +62,6 @@ def _data_line(name: str, spec: str | None, default_split: str, d: DataConfig, p
     return f"{line}; {fmt} ({variant}, {how})"
 
 
-def _example_lines(train, tokenizer) -> list[str]:
-    """Each example source's packing line and its first example rendered, the trained tokens marked."""
-    from shardlm.data import ExampleRows, describe
-    from shardlm.data.render import show_targets
-
-    parts = getattr(train, "parts", [train])
-    lines = describe(train)
-    for part in parts:
-        if isinstance(part, ExampleRows) and len(part.ids):
-            g = part.group
-            shown = [show_targets(tokenizer, *part.examples.example(int(part.ids[0]) * g + j)) for j in range(g)]
-            what = "first pair (chosen, then rejected; the scored answer tokens" if g == 2 else \
-                "first example (the trained tokens"
-            lines.append(f"{what} between ⟦ ⟧):\n" + "\n".join(shown))
-    return lines
-
-
 def _model(cfg: Config, pl: Plan) -> tuple[object | None, object | None, list[str]]:
     """(tokenizer, HF config, lines); the tokenizer or config is None where a hub name cannot be reached."""
     from shardlm.hub import hub_reachable
@@ -109,54 +92,6 @@ def _model(cfg: Config, pl: Plan) -> tuple[object | None, object | None, list[st
     adapters = f" ({trainable / 1e6:.2f}M trainable: LoRA r={cfg.lora.r})" if lora.enabled(cfg.lora) else ""
     return tokenizer, hf_cfg, [f"model: {what}, {n / 1e6:.2f}M parameters{adapters}; tokenizer "
                                f"{tokenizer_spec(cfg.model)}, {len(tokenizer)} tokens", *filter(None, [memory])]
-
-
-def _teacher_lines(cfg: Config, tokenizer) -> list[str]:
-    """train.objective=distill: the teacher found, its tokenizer checked against the student's and its config read
-    (parameters counted on `meta`, no weights loaded) by the run's own functions, and the loss's settings."""
-    from shardlm.hub import hub_reachable
-    from shardlm.models.causal_lm import num_params
-    from shardlm.models.instantiate import empty_model
-    from shardlm.objectives.distill.teacher import (
-        check_teacher_tokenizer,
-        teacher_hf_config,
-        teacher_source,
-        teacher_tokenizer,
-    )
-
-    if cfg.train.objective != "distill":
-        return []
-    d = cfg.distill
-    src = teacher_source(d.teacher)
-    try:
-        teacher_tok = teacher_tokenizer(src, cfg.model.trust_remote_code)
-    except ShardlmError as e:
-        if src.checkpoint is None and "cannot be reached" in str(e) and not hub_reachable():
-            return [f"teacher: {src.describe()}; not checked: a hub name the Hub cannot give offline (it downloads "
-                    "when online)", _loss_line(cfg)]
-        raise
-    if tokenizer is not None:
-        check_teacher_tokenizer(tokenizer, src, teacher_tok=teacher_tok)
-    hf_cfg = teacher_hf_config(cfg, src, teacher_tok)
-    n = num_params(empty_model(hf_cfg, "meta"))
-    shared = "the student's tokenizer" if tokenizer is not None else "its tokenizer not compared (the student's " \
-        "cannot be reached)"
-    return [f"teacher: {src.describe()}, {n / 1e6:.2f}M parameters, {hf_cfg.num_hidden_layers} layers "
-            f"({hf_cfg.model_type}), vocabulary {len(teacher_tok)} tokens ({hf_cfg.vocab_size} head rows); {shared}; "
-            "frozen, sharded as the student", _loss_line(cfg)]
-
-
-def _loss_line(cfg: Config) -> str:
-    d = cfg.distill
-    kind = "forward KL(teacher||student)" if d.beta == 0 else "reverse KL(student||teacher)" if d.beta == 1 else \
-        "generalized JSD"
-    mix = "distillation alone" if d.alpha == 1 else f"{d.alpha:g} x distillation + {1 - d.alpha:g} x next-token loss"
-    scores = f"the teacher's top-{d.teacher_topk} log-probs stored once before the first step" \
-        if d.teacher_topk else "the live teacher each step"
-    policy = f"; on-policy on {d.on_policy:.0%} of the steps (completions of up to {d.max_new_tokens} tokens at " \
-        f"sample_temperature {d.sample_temperature:g})" if d.on_policy else "; off-policy (the data's answers)"
-    return f"distill: beta {d.beta:g} ({kind}), temperature {d.temperature:g}, alpha {d.alpha:g} ({mix}); " \
-        f"{scores}{policy}"
 
 
 def _resume_lines(cfg: Config, hf_cfg, path: Path | None) -> tuple[list[str], int | None]:
@@ -195,7 +130,7 @@ class Counted:
 def _count(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
     """The run's blocks cut from counted tokens (`counting_loader`), then the run's checks of them: the same
     messages."""
-    from shardlm.data import counting_loader, prepare_data
+    from shardlm.data import counting_loader
     from shardlm.data.sources import resolve
     from shardlm.inference.genquality import check_generation
 
@@ -207,63 +142,21 @@ def _count(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
     if any(resolve(spec, "train", d.data_files).hf for spec in specs):
         return Counted("blocks: not counted (a Hugging Face dataset is not downloaded by a dry run)",
                        cfg.train.max_steps, [])
-    if cfg.train.objective in RL_OBJECTIVES:
-        return _count_prompts(cfg, tokenizer, hf_cfg, world)
-    exact: list[bool] = []
-    train, val = prepare_data(d, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
+    family = objective_family(cfg.train.objective)
+    exact: list[bool] = []  # a block source's tokens counted to the end, or only until enough for every check
+    train, val = family.load_data(cfg, tokenizer, None, counting_loader(enough_tokens(cfg, world), exact))
     warnings: list[str] = []
     steps = checks.check_data(cfg, hf_cfg, train, val, world, warnings.append)
     check_generation(cfg.train, val)
-    blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
-    examples = _example_lines(train, tokenizer)
+    lines = family.preflight_lines(cfg, tokenizer, train)
+    t = cfg.train
     if all(exact):
-        return Counted(f"blocks: {blocks}; {steps:,} steps", steps, examples, (train, val), warnings)
-    steps_known = f"; {steps:,} steps" if cfg.train.max_steps is not None else ""
+        return Counted(family.count_line(cfg, train, val, steps, world * t.batch_size * t.grad_accum), steps, lines,
+                       (train, val), warnings)
+    blocks = f"{getattr(train, 'sampled_blocks', len(train)):,} train / {len(val):,} val blocks of {d.seq_len} tokens"
+    steps_known = f"; {steps:,} steps" if t.max_steps is not None else ""
     return Counted(f"blocks: at least {blocks} (tokens counted until enough for every check){steps_known}",
-                   cfg.train.max_steps, examples, (train, val), warnings)
-
-
-def _count_prompts(cfg: Config, tokenizer, hf_cfg, world: int) -> Counted:
-    """Online RL's prompts, rendered in memory (or read from their cache), then the run's checks of them, the
-    reward functions' call on the first prompt included: its lines show the prompt as the sampler sees it and
-    what each reward returned."""
-    from shardlm.data import prepare_prompts
-
-    train, val = prepare_prompts(cfg.data, tokenizer, None)
-    warnings: list[str] = []
-    steps = checks.check_data(cfg, hf_cfg, train, val, world, warnings.append)
-    t, g = cfg.train, cfg.grpo
-    rounds = f", a round of completions serving grpo.num_iterations={g.num_iterations} steps" \
-        if g.num_iterations > 1 else ""
-    line = (f"prompts: {len(train):,} train / {len(val):,} val; {steps:,} steps of "
-            f"{world * t.batch_size * t.grad_accum // g.group} prompts x grpo.group={g.group} completions{rounds}")
-    return Counted(line, steps, _prompt_lines(cfg, train, tokenizer), (train, val), warnings)
-
-
-def _prompt_lines(cfg: Config, train: PromptRows, tokenizer) -> list[str]:
-    """The prompt source, its first prompt's ids decoded (the chat template and generation prompt included: what
-    the sampler continues), its fields as the rewards get them, and each reward's values on dummy completions."""
-    p = train.prompt(0)
-    fields = ", ".join(f"{k}={_short(v)}" for k, v in p.fields.items()) or "none"
-    return [train.describe(),
-            f"first prompt ({_shown(train.where(0))}) as the sampler continues it, {len(train.token_ids(0))} tokens:\n"
-            f"{tokenizer.decode(train.token_ids(0))}",
-            f"its fields for the rewards: {fields}", *checks.probe_rewards(cfg, train)]
-
-
-def _shown(where: str) -> str:
-    """path:line relative to the current folder, or under shardlm/ for a bundled set: the same on every machine."""
-    import shardlm
-
-    for base in (Path.cwd(), Path(shardlm.__file__).resolve().parent.parent):
-        if where.startswith(f"{base}/"):
-            return where[len(f"{base}/"):]
-    return where
-
-
-def _short(value: object, width: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+                   t.max_steps, lines, (train, val), warnings)
 
 
 def dry_run(cfg: Config, world_size: int) -> str:
@@ -273,11 +166,11 @@ def dry_run(cfg: Config, world_size: int) -> str:
     device, pl = checks.planned(cfg, world_size)
     _, resumed = checks.check_setup(cfg, pl, device)
     tokenizer, hf_cfg, model_lines = _model(cfg, pl)
-    model_lines += _teacher_lines(cfg, tokenizer)
+    model_lines += objective_family(cfg.train.objective).model_lines(cfg, tokenizer)
     d = cfg.data
     specs = [(f"data.train[{i}]", spec) for i, spec in enumerate(d.train)] if isinstance(d.train, list) else \
         [("data.train", d.train)]
-    rl = cfg.train.objective in RL_OBJECTIVES
+    rl = objectives.spec(cfg).reads == "prompts"
     data_lines = [*(_data_line(name, spec, "train", d, rl) for name, spec in specs),
                   _data_line("data.val", d.val, "validation", d, rl)]
     world = world_size * (xla.device_count() if device.type == "xla" else 1) // cfg.parallel.context  # rows split
@@ -298,8 +191,8 @@ def dry_run(cfg: Config, world_size: int) -> str:
                 if cfg.parallel.context > 1 else "")
              + f", {cfg.parallel.precision}, compile {pl.compile}",
              f"global batch: {world} x {cfg.train.batch_size} x {cfg.train.grad_accum} "
-             + ("completions (prompt + completion) of up to " if cfg.train.objective in RL_OBJECTIVES else
-                "blocks of ") + f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
+             + ("completions (prompt + completion) of up to " if rl else "blocks of ")
+             + f"{cfg.data.seq_len} tokens; out_dir {cfg.out_dir}",
              *([note] if note else []), *counted.warnings, *finished,
              "dry run: the config is valid; nothing was trained or written"]
     return "\n".join(lines)

@@ -29,16 +29,16 @@ import torch
 
 from shardlm.config import Config
 from shardlm.config.checks import ac_mode, wrap_size
-from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.distributed import context
 from shardlm.distributed.checkpointing import SelectiveSaved, checkpointed
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 from shardlm.distributed.wrapping import owned_params, size_units
 from shardlm.models import lora
-from shardlm.models.causal_lm import SHARED_PREFIX_FAMILIES, auto_loss_chunk, num_params, transformer_blocks
+from shardlm.models.causal_lm import auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
 from shardlm.models.instantiate import empty_model
-from shardlm.objectives.distill.memory import distill_memory
+from shardlm.objectives import objective_family
+from shardlm.objectives.base import Footprint
 from shardlm.training.optim.optimizers import state_bytes_estimate
 
 GB = 2**30
@@ -161,8 +161,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     csize = torch.finfo(compute).bits // 8
     B, T, C, V = cfg.train.batch_size, cfg.data.seq_len, hf_cfg.hidden_size, hf_cfg.vocab_size
     shared = False  # online RL's rows holding a prompt's group of completions under a 4D mask
-    if cfg.train.objective in RL_OBJECTIVES:
-        B, T, shared = rl_rows(cfg, hf_cfg)
+    objective = objective_family(cfg.train.objective)
+    B, T, shared = objective.memory_rows(cfg, hf_cfg)  # online RL: a prompt's group of completions in a row
     on_device = 0.0 if p.cpu_offload else 1.0
     comp: dict[str, float] = {}
     four_bit = four_bit_params(blocks) if lora.quantized(cfg.lora) else 0
@@ -174,11 +174,6 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         comp["base linears (4-bit NF4, double quantization)"] = four_bit * NF4_BYTES
     label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
     comp[label if trainable == total else f"{label}; adapters"] = state * on_device
-    if cfg.train.objective in ("dpo", "ipo") and cfg.preference.reference == "live" and not lora.enabled(cfg.lora):
-        # a frozen copy of the initial model, built (and sharded) as the policy; with LoRA the base serves
-        comp["live reference (frozen copy of the initial model)"] = 4 * (total - four_bit) / shard * on_device
-    if cfg.train.objective in RL_OBJECTIVES and cfg.grpo.beta > 0 and not lora.enabled(cfg.lora):
-        comp["reference for grpo.beta (initial model, frozen)"] = 4 * (total - four_bit) / shard * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
         held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
@@ -213,30 +208,24 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
         forward["loss: logits, log-softmax, their gradients"] = tokens * V * (csize + 4 + 4)
     if transform and not compiled:  # soft-capping keeps its tanh output for the backward
         forward["loss: the transformed logits"] = tokens * V * csize
-    if cfg.train.objective in RL_OBJECTIVES and not full_logits:  # completion_logps' own chunks replace the loss's
-        head = meta.get_output_embeddings()
-        forward = {k: v for k, v in forward.items() if not k.startswith("loss")} | \
-            rl_loss_bytes(cfg, V, C, csize, head is not None and head.weight.requires_grad)
-    notes: list[str] = []
-    if cfg.train.objective == "distill":  # the teacher beside the student; distill_loss's chunks replace the loss's
-        head = meta.get_output_embeddings()
-        dm = distill_memory(cfg, tokens, shard, csize, on_device, use_fsdp, chunk,
-                            (V, C, head is not None and head.weight.requires_grad), tokenizer)
-        comp.update(dm.resident)
-        forward = {k: v for k, v in forward.items() if not k.startswith("loss")} | dm.loss
-        notes = dm.notes
+    head = meta.get_output_embeddings()
+    terms = objective.memory(cfg, Footprint(
+        hf_cfg, tokenizer, tokens, shard, csize, on_device, use_fsdp, chunk,
+        (V, C, head is not None and head.weight.requires_grad), full_logits, len(blocks),
+        initial_model=4 * (total - four_bit) / shard * on_device, gathered=comp.get("gathered parameters", 0.0),
+        whole=(total - four_bit) * csize))
+    comp.update(terms.resident)  # a frozen reference, a teacher
+    if terms.loss is not None:  # the objective's own loss buffers replace the next-token loss's
+        forward = {k: v for k, v in forward.items() if not k.startswith("loss")} | terms.loss
     grads = 4 * trainable / shard * on_device + (2 * per_block_trainable * 4 if use_fsdp and shard > 1 else 0)
     phase = forward if sum(forward.values()) >= grads else \
         {"gradients (fp32, sharded; peak at the optimizer step)": grads}
-    if cfg.train.objective in RL_OBJECTIVES:
-        in_step = comp.get("gathered parameters", 0.0)  # 0 where the local shards are the whole fp32 tensors
-        whole = (total - four_bit) * csize if in_step else 0.0
-        sampling = generation_bytes(cfg, hf_cfg, len(blocks), csize, max(0.0, whole - in_step))
-        phase = sampling if sum(sampling.values()) > sum(phase.values()) else phase
+    if terms.phase is not None and sum(terms.phase.values()) > sum(phase.values()):  # online RL's generation
+        phase = terms.phase
     comp.update(phase)
     comp["batch and framework overhead"] = tokens * 8 * 2 + 16 * 2**20
     peak = sum(comp.values())
-    return Estimate(total, comp, peak, host, notes)
+    return Estimate(total, comp, peak, host, terms.notes)
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
@@ -291,46 +280,3 @@ def _held_by_units(cfg: Config, hf, reshard: bool) -> int:
 
 def _chunk_name(chunk: int | None) -> str:
     return "auto" if chunk is None else str(chunk or "off")
-
-
-def rl_rows(cfg: Config, hf_cfg) -> tuple[int, int, bool]:
-    """(rows, tokens per row, shared) of a grpo/rloo micro-batch as shardlm.objectives.rl.step packs it, at its
-    longest: for the SDPA families that share a prompt (`shares_prefix`) a row per prompt, the prompt once and
-    then its group's completions under a 4D mask (shared), so attention's (row x row) terms grow with group x
-    max_completion_length; else a row per completion of up to data.seq_len."""
-    g, batch, seq_len = cfg.grpo, cfg.train.batch_size, cfg.data.seq_len
-    sliding = getattr(hf_cfg, "use_sliding_window", False) and getattr(hf_cfg, "sliding_window", None)
-    if hf_cfg.model_type not in SHARED_PREFIX_FAMILIES or cfg.model.attention not in ("auto", "sdpa") or sliding:
-        return batch, seq_len, False
-    return batch // g.group, seq_len - g.max_completion_length - 1 + g.group * g.max_completion_length, True
-
-
-def rl_loss_bytes(cfg: Config, vocab: int, hidden: int, csize: int, head_trains: bool) -> dict[str, float]:
-    """Online RL's loss (CausalLM.completion_logps): the head on the completion tokens only, train.loss_chunk_size
-    (or 1024) of them at a time, whose fp32 logits and one more (rows x vocab) fp32 tensor are live together (the
-    entropy's exp in forward, the softmax in backward); the head's weight gradient where it trains; the hidden
-    states' gradient."""
-    targets = cfg.train.batch_size * cfg.grpo.max_completion_length
-    rows = min(cfg.train.loss_chunk_size or 1024, targets)
-    return {"loss: a chunk's fp32 logits, softmax, entropy": rows * vocab * 8
-            + (vocab * hidden * 4 if head_trains else 0) + targets * hidden * csize}
-
-
-def generation_bytes(cfg: Config, hf_cfg, layers: int, csize: int, unheld: float) -> dict[str, float]:
-    """Online RL's generation phase: each rank samples its completions of a round (train.batch_size x
-    train.grad_accum rows, objectives.rl.sampling) with the model gathered whole once for the round (`unheld`: the
-    bytes beyond what a training step holds gathered); keys and values cached for every row up to data.seq_len
-    (prompt + grpo.max_completion_length: an upper bound, a prompt is usually shorter), plus one layer's keys
-    copied while the cache grows by a token; and a decode step's (rows x vocab) logits with the fp32 tensors
-    sampling makes of them (temperature, softmax, its cumulative sum; top-p sorts and scatters: 28 bytes more)."""
-    g, rows, T = cfg.grpo, cfg.train.batch_size * cfg.train.grad_accum, cfg.data.seq_len
-    heads = hf_cfg.num_attention_heads
-    kv_heads = getattr(hf_cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads
-    per_layer = kv_heads * head_dim * T * rows * csize  # its keys, or its values
-    per_logit = csize + 12 + (4 if 0 < g.top_k < hf_cfg.vocab_size else 0) + (28 if g.top_p < 1 else 0)
-    out = {f"generation: KV cache ({rows} rows x {T} tokens)": (2.0 * layers + 1) * per_layer,
-           "generation: decode step logits (rows x vocab)": rows * hf_cfg.vocab_size * per_logit}
-    if unheld:
-        out["generation: the whole model gathered"] = unheld
-    return out

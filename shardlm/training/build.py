@@ -12,8 +12,7 @@ import torch
 from torch import nn
 
 from shardlm.config import Config
-from shardlm.config.grpo import RL_OBJECTIVES
-from shardlm.data import Split, prepare_data, prepare_prompts
+from shardlm.data import Split
 from shardlm.distributed import context
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
@@ -23,6 +22,7 @@ from shardlm.models.causal_lm import CausalLM, auto_loss_chunk
 from shardlm.models.hf_config import model_config
 from shardlm.models.instantiate import empty_model, initial_model
 from shardlm.models.state_keys import from_hf, hf_name, is_hf
+from shardlm.objectives import objective_family
 from shardlm.tokenizer import model_tokenizer
 from shardlm.training import checks
 from shardlm.training.optim import optimizers
@@ -139,10 +139,9 @@ def describe_optimizer(run: Run) -> str:
 
 
 def load_data(cfg: Config, tokenizer, dist: Dist) -> tuple[Split, Split]:
-    """The training and validation splits: prompts for online RL (grpo, rloo: what is sampled from), else blocks."""
-    if cfg.train.objective in RL_OBJECTIVES:
-        return prepare_prompts(cfg.data, tokenizer, dist)
-    return prepare_data(cfg.data, tokenizer, dist)
+    """The training and validation splits the objective reads: prompts for online RL (what is sampled from), else
+    blocks of text or examples."""
+    return objective_family(cfg.train.objective).load_data(cfg, tokenizer, dist)
 
 
 def build(cfg: Config) -> Run:

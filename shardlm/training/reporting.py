@@ -17,18 +17,15 @@ from typing import Any
 import torch
 
 from shardlm.config import task_defaults_note
-from shardlm.config.grpo import RL_OBJECTIVES
 from shardlm.data import describe
 from shardlm.distributed import checkpointing, xla
 from shardlm.distributed.wrapping import describe_units
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params, transformer_blocks
 from shardlm.models.moe import active_fraction, expert_params, idle_expert_params, router_record
-from shardlm.objectives.distill.step import RECORDS as DISTILL_RECORDS
-from shardlm.objectives.preference.pairs import STATS
-from shardlm.objectives.rl.step import describe_prompts
+from shardlm.objectives import objective_family
 from shardlm.observe.hardware import gpu_utilization, peak_flops, peak_memory_bytes
-from shardlm.observe.metrics import MetricsLog, describe_val, flops_per_token, held_out_words
+from shardlm.observe.metrics import MetricsLog, flops_per_token
 from shardlm.observe.progress import Eta, Progress, StepTimer, fmt_time
 from shardlm.training.build import Run, describe_optimizer
 
@@ -64,18 +61,6 @@ def _params(run: Run) -> str:
             + (f"; {qlora}" if qlora else ""))
 
 
-def _data_and_steps(run: Run, blocks: int, seq: int) -> str:
-    """The data and the steps: blocks of seq_len tokens, or online RL's prompts and completions."""
-    if run.cfg.train.objective not in RL_OBJECTIVES:
-        return (f"data: {getattr(run.train, 'sampled_blocks', len(run.train)):,} train / {len(run.val):,} val "
-                f"blocks of {seq} tokens\n{run.total_steps} steps x {blocks} blocks ({blocks * seq:,} tokens per step)")
-    g = run.cfg.grpo
-    return (f"data: {len(run.train):,} train / {len(run.val):,} val prompts, each with up to "
-            f"{g.max_completion_length} completion tokens\n{run.total_steps} steps x {blocks} completions "
-            f"({blocks // g.group} prompts x grpo.group={g.group}), a generation round every "
-            f"{g.num_iterations} step{'s' * (g.num_iterations != 1)}")
-
-
 def run_header(run: Run) -> str:
     """Three lines: where and how the run trains, the model and data, the steps and batch; a fourth names the
     fine-tuning defaults in effect (a pretrained model.name), and under FSDP2 one more its units."""
@@ -91,10 +76,12 @@ def run_header(run: Run) -> str:
     ac = checkpointing.describe(cfg.parallel.activation_checkpointing, len(transformer_blocks(run.model.hf)))
     extras = [n for n, on in ((ac or "", ac is not None), (f"compile {pl.compile}", pl.compile != "false"),
                               ("cpu offload", cfg.parallel.cpu_offload)) if on]
-    blocks, seq = global_batch(run), cfg.data.seq_len
+    # the data and the steps, as the objective counts them: blocks of seq_len tokens, or prompts and completions
+    data_line = objective_family(cfg.train.objective).data_line(cfg, run.train, run.val, run.total_steps,
+                                                                 global_batch(run))
     return (f"shardlm: {where}; {d.device.type}, {cfg.parallel.precision}"
             + (f", {', '.join(extras)}" if extras else "") + "\n"
-            f"model: {_params(run)}; {_data_and_steps(run, blocks, seq)}, out_dir {run.out_dir}"
+            f"model: {_params(run)}; {data_line}, out_dir {run.out_dir}"
             + "".join(f"\n{line}" for line in describe(run.train))
             + f"\n{describe_optimizer(run)}"
             + (f"\n{note}" if (note := task_defaults_note(cfg)) else "")
@@ -121,7 +108,8 @@ class Reporter:
         self.eta, self.timer, self.began = Eta(self.total), StepTimer(), time.time()
         self.loss_sum = torch.zeros(1, device=d.device, dtype=torch.float64)  # this rank's, since the last record
         self.seconds, self.steps, self.targets = 0.0, 0, 0
-        self.stats: torch.Tensor | None = None  # preference statistics since the last record (STATS order)
+        self.objective = objective_family(cfg.train.objective)  # what its records and validation lines hold
+        self.stats: torch.Tensor | None = None  # the objective's statistic sums since the last record
         self.rl: dict[str, list[float]] = {}  # online RL: each statistic's values since the last record
         self.last_val: dict[str, Any] | None = None
         self.held_out = 0
@@ -165,14 +153,14 @@ class Reporter:
         loss = (self.loss_sum[0] / max(self.targets, 1)).item()
         pref = {}
         if self.stats is not None:  # per pair, over every rank: rewards/chosen, ...
-            names = DISTILL_RECORDS if self.run.cfg.train.objective == "distill" else STATS  # distillation's per target
-            pref = dict(zip(names, (self.dist.all_reduce_sum(self.stats) / max(self.targets, 1)).tolist(), strict=True))
+            sums = self.dist.all_reduce_sum(self.stats) / max(self.targets, 1)
+            pref = dict(zip(self.objective.stats, sums.tolist(), strict=True))
             self.stats = None
         target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
         chips = self.dist.data_parallel * self.dist.context_size  # a row split by context runs on all N chips
         mfu = self.flops_per_token * tps / (self.peak_flops * chips) if self.peak_flops else None
-        if self.rl or self.run.cfg.train.objective in RL_OBJECTIVES:  # the rates of what was sampled and trained
+        if self.objective.sampled:  # the rates of what was sampled and trained
             pref, target_fraction, mfu = self._rl_record(), 1.0, None
             tps = pref.pop("tokens_per_s")
         peak_mem = peak_memory_bytes(self.device)
@@ -214,14 +202,9 @@ class Reporter:
         self.last_val, self.held_out = result, held_out
 
     def describe(self, result: dict[str, Any], held_out: int) -> str:
-        """A validation result in words; online RL's: the mean sampled reward and the greedy exact match."""
-        if "distill/loss" in result:
-            return (f"loss {result['loss']:.4f} (distill/loss {result['distill/loss']:.4f}, distill/nll "
-                    f"{result['distill/nll']:.4f}, ppl {result['ppl']:.2f}) "
-                    + held_out_words(result["tokens"], held_out, self.run.cfg.train.eval_batches))
-        if "reward" not in result:
-            return describe_val(result, held_out, self.run.cfg.train.eval_batches)
-        return describe_prompts(result, held_out)
+        """A validation result in words, as the objective says it (online RL: the mean sampled reward and the
+        greedy exact match)."""
+        return self.objective.describe_val(self.run.cfg, result, held_out)
 
     def close(self, step: int, stopped: bool) -> dict[str, Any]:
         """Close the outputs; print the closing line unless the run stopped on a signal (train.py says so)."""

@@ -28,11 +28,16 @@ import torch
 from torch import nn
 
 from shardlm import ShardlmError
-from shardlm.data import Batch, micro_batch_position
-from shardlm.distributed.parallelize import set_gradient_sync
+from shardlm.config import Config
+from shardlm.config import objectives as specs
+from shardlm.data import Batch, ExampleRows, micro_batch_position
+from shardlm.distributed.parallelize import reshard, set_gradient_sync
 from shardlm.models.distill_loss import LiveTeacher, TopKTeacher
 from shardlm.models.loss import IGNORE
-from shardlm.objectives.base import Defaults, Loop, StepOut
+from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
+from shardlm.objectives.defaults import Defaults
+from shardlm.objectives.distill.memory import distill_memory
+from shardlm.objectives.distill.preflight import check_live_teacher, check_teacher_resume, teacher_lines
 from shardlm.objectives.distill.samples import on_policy_step, row_keys, step_completions
 from shardlm.objectives.distill.teacher import (
     check_teacher_tokenizer,
@@ -44,8 +49,8 @@ from shardlm.objectives.distill.teacher import (
 )
 from shardlm.objectives.distill.teacher_scores import TeacherScores, prepare_teacher_topk
 from shardlm.objectives.lm import blocks
-from shardlm.objectives.preference.pairs import reshard
 from shardlm.objectives.validate import Share
+from shardlm.observe.metrics import held_out_words
 
 if TYPE_CHECKING:
     from shardlm.models.causal_lm import CausalLM
@@ -59,8 +64,47 @@ RECORDS = ("distill/loss", "distill/nll", "distill/teacher_entropy", "distill/st
 class Distill(Defaults):
     """The objective of a distillation run: its teacher (live, or its stored top-K scores) and the step."""
 
-    names: ClassVar[tuple[str, ...]] = ("distill",)
+    names: ClassVar[tuple[str, ...]] = specs.names("distill")
     stats: ClassVar[tuple[str, ...]] = RECORDS  # per target
+
+    @classmethod
+    def check_data(cls, cfg: Config, hf_cfg: Any, train: Any, val: Any) -> None:
+        """As sft's; on-policy steps sample answers to the examples' prompts, which text blocks do not have."""
+        super().check_data(cfg, hf_cfg, train, val)
+        if cfg.distill.on_policy > 0 and not all(isinstance(part, ExampleRows)
+                                                 for part in getattr(train, "parts", [train])):
+            raise ShardlmError(f"distill.on_policy={cfg.distill.on_policy} samples the student's answers to the "
+                               "examples' prompts, and data.train was read as text blocks, which have none: give "
+                               "examples (prompt/completion or chat records), or set distill.on_policy=0.")
+
+    @classmethod
+    def check_resume(cls, cfg: Config, hf_cfg: Any, train: Any, val: Any, resumed: Any, on_main: Callable) -> None:
+        if resumed is not None:
+            check_teacher_resume(cfg, resumed, on_main)
+
+    @classmethod
+    def model_lines(cls, cfg: Config, tokenizer: Any) -> list[str]:
+        return teacher_lines(cfg, tokenizer)
+
+    @classmethod
+    def card_line(cls, cfg: Config) -> str | None:
+        d = cfg.distill
+        return (f"distill from {d.teacher} (beta {d.beta:g}, temperature {d.temperature:g}, alpha {d.alpha:g}"
+                + (f", top-{d.teacher_topk} scores" if d.teacher_topk else "")
+                + (f", on_policy {d.on_policy:g}" if d.on_policy else "") + ")")
+
+    @classmethod
+    def memory(cls, cfg: Config, f: Footprint) -> MemoryTerms:
+        """The teacher beside the student (or a micro-batch of its stored scores); distill_loss's chunks replace
+        the next-token loss's (shardlm.objectives.distill.memory)."""
+        dm = distill_memory(cfg, f.tokens, f.shard, f.csize, f.on_device, f.use_fsdp, f.chunk, f.head, f.tokenizer)
+        return MemoryTerms(resident=dm.resident, loss=dm.loss, notes=dm.notes)
+
+    @classmethod
+    def describe_val(cls, cfg: Config, result: dict[str, Any], held_out: int) -> str:
+        return (f"loss {result['loss']:.4f} (distill/loss {result['distill/loss']:.4f}, distill/nll "
+                f"{result['distill/nll']:.4f}, ppl {result['ppl']:.2f}) "
+                + held_out_words(result["tokens"], held_out, cfg.train.eval_batches))
 
     @classmethod
     def build(cls, loop: Loop) -> Distill:
@@ -78,6 +122,7 @@ class Distill(Defaults):
             check_teacher_tokenizer(run.tokenizer, self.src, run.cfg.model.trust_remote_code)
         else:
             self.teacher = self._load()
+            check_live_teacher(self.teacher.hf.config.model_type, self.teacher.full_logits)
         self.scores: TeacherScores | None = None
 
     def _load(self) -> CausalLM:

@@ -30,14 +30,16 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from shardlm.config.grpo import RL_OBJECTIVES
+from shardlm.config import objectives as specs
 from shardlm.data import eval_shares
 from shardlm.data.prompts import PromptRows, completion_for_rewards
-from shardlm.distributed.parallelize import set_gradient_sync
+from shardlm.distributed.parallelize import reshard, set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import shares_prefix
-from shardlm.objectives.base import Defaults, Loop, StepOut
-from shardlm.objectives.preference.pairs import frozen_reference, reshard
+from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
+from shardlm.objectives.defaults import Defaults
+from shardlm.objectives.preference.reference import frozen_reference
+from shardlm.objectives.rl import checks, memory
 from shardlm.objectives.rl.logps import micro_batch, shared_batch, shared_pays
 from shardlm.objectives.rl.loss import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
 from shardlm.objectives.rl.rewards import exact_match
@@ -82,8 +84,55 @@ class Round:
 class RLStep(Defaults):
     """One per run: `micro_steps` is a step's forward and backward, `validate` the RL validation."""
 
-    names: ClassVar[tuple[str, ...]] = RL_OBJECTIVES
+    names: ClassVar[tuple[str, ...]] = specs.names("rl")
     stats: ClassVar[tuple[str, ...]] = ()  # the step's statistics come reduced over every rank, as a dict
+    sampled: ClassVar[bool] = True
+
+    # ---- before the run (shardlm.objectives.rl.checks) -----------------------------------------------------------
+    @classmethod
+    def load_data(cls, cfg: Any, tokenizer: Any, dist: Any, load: Callable | None = None) -> tuple[Any, Any]:
+        return checks.load_prompts(cfg, tokenizer, dist)  # rendered, never counted: `load` is for blocks
+
+    @classmethod
+    def check_data(cls, cfg: Any, hf_cfg: Any, train: Any, val: Any) -> None:
+        checks.check_prompts(cfg, train, val)
+
+    @classmethod
+    def count_steps(cls, cfg: Any, train: Any, world: int) -> int:
+        return checks.count_rl_steps(cfg, train, world)
+
+    @classmethod
+    def data_line(cls, cfg: Any, train: Any, val: Any, steps: int, rows: int) -> str:
+        return checks.data_line(cfg, train, val, steps, rows)
+
+    @classmethod
+    def count_line(cls, cfg: Any, train: Any, val: Any, steps: int, rows: int) -> str:
+        return checks.count_line(cfg, train, val, steps, rows)
+
+    @classmethod
+    def preflight_lines(cls, cfg: Any, tokenizer: Any, train: Any) -> list[str]:
+        return checks.prompt_lines(cfg, tokenizer, train)
+
+    @classmethod
+    def card_line(cls, cfg: Any) -> str | None:
+        g = cfg.grpo
+        return (f"{cfg.train.objective} from rewards ({', '.join(g.rewards)}; grpo.group {g.group}, beta {g.beta:g}, "
+                f"loss_type {g.loss_type}, max_completion_length {g.max_completion_length}, temperature "
+                f"{g.temperature:g})")
+
+    @classmethod
+    def memory_rows(cls, cfg: Any, hf_cfg: Any) -> tuple[int, int, bool]:
+        return memory.rl_rows(cfg, hf_cfg)
+
+    @classmethod
+    def memory(cls, cfg: Any, f: Footprint) -> MemoryTerms:
+        return memory.rl_memory(cfg, f)
+
+    @classmethod
+    def describe_val(cls, cfg: Any, result: dict[str, Any], held_out: int) -> str:
+        return describe_prompts(result, held_out)
+
+    # ---- in the run ----------------------------------------------------------------------------------------------
 
     @classmethod
     def build(cls, loop: Loop) -> RLStep:
@@ -134,11 +183,11 @@ class RLStep(Defaults):
         does not."""
         return self.cycle_done() or step == total
 
-    def tokens_seen(self, loop: Loop) -> int:  # noqa: ARG002 (the protocol's signature)
+    def tokens_seen(self, loop: Loop) -> int:
         """Prompt and completion tokens sampled."""
         return self.sampled_tokens
 
-    def advance(self, loop: Loop) -> int:  # noqa: ARG002 (the protocol's signature)
+    def advance(self, loop: Loop) -> int:
         """The data order holds prompts: a step draws a round's, or none when it reuses its round."""
         return self.taken
 
@@ -276,7 +325,9 @@ class RLStep(Defaults):
         return stats
 
     def sample_lines(self, n: int = 2) -> list[str]:
-        """A few of this rank's completions of the last round with their rewards (printed at log steps)."""
+        """A few of this rank's completions of the last round with their rewards (printed at log steps). The
+        prompt's tail and the completion are shown as reprs cut to 40 and 100 characters: an escape such as
+        '\\x01' takes 4 characters and a token may decode to many, so an uncut line could run to hundreds."""
         r = self.round
         if r is None:
             return []
@@ -284,9 +335,11 @@ class RLStep(Defaults):
         names = self.rewards.metric_names
         for p in range(min(n, len(r.scored.rollout.prompts))):
             i = p * self.g.group
-            prompt = self.tok.decode(r.scored.rollout.prompts[p], skip_special_tokens=False)[-60:]
+            prompt = repr(self.tok.decode(r.scored.rollout.prompts[p], skip_special_tokens=False)[-40:])[-40:]
+            text = repr(r.texts[i])
+            text = text if len(text) <= 100 else text[:97] + "..."
             values = ", ".join(f"{k} {v:.2f}" for k, v in zip(names, r.scored.per_func[i].tolist(), strict=True))
-            out.append(f"  sample: ...{prompt!r} -> {r.texts[i]!r} ({values})")
+            out.append(f"  sample: ...{prompt} -> {text} ({values})")
         return out
 
     # ---- validation ---------------------------------------------------------------------------------------------
