@@ -141,3 +141,22 @@ def test_estimate_of_a_distill_step_within_15_percent_of_measured(corpus, cache_
     est = estimate(cfg, trainer.run.tokenizer)
     assert est.components["teacher (fp32, sharded, frozen: no grads/state)"] == teacher
     assert est.peak_bytes == pytest.approx(measured, rel=0.15)
+
+
+def test_a_live_teacher_that_transforms_its_logits_is_refused_alike(folder):
+    """Gemma 2 soft-caps its logits in its own forward, which the chunked loss does not apply: the dry run and the
+    run refuse a live teacher of that family with the same line, before the run folder exists; its top-K scores,
+    taken from its own logits, are allowed."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from shardlm.tokenizer import byte_tokenizer
+
+    teacher = folder / "gemma2_teacher"
+    if not teacher.exists():
+        torch.manual_seed(0)
+        Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, vocab_size=264, max_position_embeddings=64,
+                                       bos_token_id=256, eos_token_id=256, pad_token_id=256)).save_pretrained(teacher)
+        byte_tokenizer().save_pretrained(teacher)
+    refused_alike(folder, [f"distill.teacher={teacher}"], r"teacher's family \(gemma2\) computes its logits in its own "
+                  r"forward .*distill.teacher_topk=K")

@@ -46,7 +46,8 @@ class Spec:
     """One value of train.objective as the lower layers see it."""
 
     family: str  # its home in shardlm.objectives: lm, preference, rl, distill
-    reads: str = "blocks"  # "blocks" (text or examples), "pairs" (chosen/rejected), "prompts" (online RL)
+    reads: str = "blocks"  # "blocks" (text or examples), "pairs" (chosen/rejected), "unpaired" (labelled
+    # examples, KTO), "prompts" (online RL)
     reference: bool = False  # scored against the initial model's values, which a resume must find again
     context_split: bool = False  # parallel.context may split its rows (the next-token and pair losses)
     router_loss: bool = False  # adds a mixture of experts' load-balancing loss (output_router_logits)
@@ -73,6 +74,7 @@ SPECS: dict[str, Spec] = {
     "orpo": Spec("preference", reads="pairs", context_split=True, nll=True, peer="ORPOConfig"),
     "grpo": Spec(**_RL, peer="GRPOConfig"),  # type: ignore[arg-type]
     "rloo": Spec(**_RL, peer="RLOOConfig", defaults={"grpo.group": 2, "grpo.beta": 0.05}),  # type: ignore[arg-type]
+    "kto": Spec("kto", reads="unpaired", reference=True, peer="KTOConfig"),
     "distill": Spec("distill", check=check_distill, peer="GKDConfig",
                     samples=lambda cfg: f"distill.on_policy={cfg.distill.on_policy:g}" if cfg.distill.on_policy > 0
                     else None),

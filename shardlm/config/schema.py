@@ -127,6 +127,9 @@ class PreferenceConfig:
     gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
     reference: str = "precomputed"  # dpo/ipo: precomputed (scored once, stored beside the cache) | live (each step)
     rpo_alpha: float = 0.0  # dpo/ipo: + rpo_alpha x the chosen answers' token-mean cross-entropy (TRL's RPO); 0 = off
+    desirable_weight: float = 1.0  # kto: the weight of the desirable (label true) examples' losses (TRL's)
+    undesirable_weight: float = 1.0  # kto: the weight of the undesirable (label false) examples' losses (TRL's)
+    kto_loss_type: str = "kto"  # kto: kto | apo_zero_unpaired (TRL's KTOConfig.loss_type)
 
 
 @dataclass

@@ -5,7 +5,8 @@ The folder is written under a temporary name and renamed, so a killed build neve
 looks complete; a lock file beside it makes any other process that wants the same cache (another rank,
 another job, `shardlm prepare` on a login node) wait for this build instead of repeating it. meta.json
 records each file's size and a cheap checksum (`integrity.py`): a cache damaged since (truncated, zeroed)
-is built again, or refused in one line where it is opened.
+is built again, or refused in one line where it is opened. It also keeps the warnings its build printed (bytes
+that were not UTF-8, replaced): a run that reuses the cache prints them again, once, through its log.
 Memory stays flat: documents are cut into token-neutral pieces (`pieces.py`), tokenized in batches by the
 Rust tokenizer on every core, and appended to the file in order, so the bytes written do not depend on the
 number of cores.
@@ -29,7 +30,7 @@ from shardlm import ShardlmError, __version__
 from shardlm.data import integrity
 from shardlm.data.fastbpe import tiktoken_encoder
 from shardlm.data.pieces import PIECE_CHARS, Encode, cut_documents
-from shardlm.data.sources import Source, iter_documents
+from shardlm.data.sources import Source, collected_warnings, iter_documents
 from shardlm.tokenizer import fingerprint
 
 CACHE_FORMAT = 1
@@ -209,17 +210,20 @@ def build_cache(source: Source, tokenizer, root: Path, text_field: str = "text",
 
     def write(tmp: Path) -> dict:
         log(f"tokenizing {source.spec} -> {folder}")
-        with open(tmp / "tokens.bin", "wb") as out, all_cores():
+        with open(tmp / "tokens.bin", "wb") as out, all_cores(), collected_warnings() as warnings:
             stats = _write_tokens(source, tokenizer, out, text_field, rows_are_documents)
         _check_text(stats["num_tokens"], stats["documents"], source, text_field)
         return {**stats, "source": source.spec, "tokenizer": getattr(tokenizer, "name_or_path", ""),
-                "vocab_size": len(tokenizer)}
+                "vocab_size": len(tokenizer), **({"warnings": warnings} if warnings else {})}
 
     folder, meta = build_once(folder, write, log)
     if meta is not None:
         docs, seconds = meta["documents"], meta["seconds"]
         log(f"tokenized {docs:,} document{'s' if docs != 1 else ''} into {meta['num_tokens']:,} tokens in "
             f"{seconds:.1f}s ({meta['text_bytes'] / 1e6 / max(seconds, 1e-9):.1f} MB/s)")
+    else:  # reused: what its build warned of (bytes replaced) still holds for the tokens read from it
+        for warning in json.loads((folder / "meta.json").read_text()).get("warnings", []):
+            log(warning)
     return folder
 
 

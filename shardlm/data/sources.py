@@ -5,12 +5,13 @@ compressed (`.gz`, `.zst`); `.parquet`; a folder written by `datasets.Dataset.sa
 folder of any of those (recursively, in sorted order); `shakespeare` (bundled) or `hf:REPO[/CONFIG][:SPLIT]`
 (also `hf:json`, `hf:parquet`, ... with `data.data_files`). Fragments of one document may be cut anywhere
 (a `.txt` is read in 1 MiB blocks); the cache cuts them again where the tokens do not change.
-Undecodable bytes in text files are replaced (U+FFFD) with one warning per file that counts them; files
-with NUL bytes are refused as binary.
+Undecodable bytes in text files are replaced (U+FFFD) with one warning per file that counts them (a token
+cache keeps it, to say it again when reused); files with NUL bytes are refused as binary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -148,10 +149,27 @@ def _check_readable(path: Path) -> None:
                            "(.txt, .csv or .jsonl, optionally .gz/.zst), not a binary or UTF-16 file.")
 
 
+_COLLECTING: list[list[str]] = []  # the lists of `collected_warnings` blocks open now, innermost last
+
+
+@contextlib.contextmanager
+def collected_warnings() -> Iterator[list[str]]:
+    """The warnings the reads inside the block print (each also printed as ever): a cache keeps them in its meta.json
+    to say them again whenever it is reused (shardlm.data.cache), since its source is not read again then."""
+    warnings: list[str] = []
+    _COLLECTING.append(warnings)
+    try:
+        yield warnings
+    finally:
+        _COLLECTING.remove(warnings)
+
+
 def _warn_replaced(path: Path, count: int) -> None:
     if count:
-        print(f"warning: {path}: {count} bytes are not valid UTF-8 and were replaced by U+FFFD",
-              file=sys.stderr)
+        warning = f"warning: {path}: {count} bytes are not valid UTF-8 and were replaced by U+FFFD"
+        print(warning, file=sys.stderr)
+        for warnings in _COLLECTING:
+            warnings.append(warning)
 
 
 def _iter_txt(path: Path) -> Iterator[tuple[str, bool]]:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -239,13 +242,35 @@ def init(info: LaunchInfo, device: torch.device, timeout_s: int = 600, force_gro
     return Dist(info, device)
 
 
+def record_failure(code: int) -> None:
+    """Under torchrun, why this rank fails, in the error file torchrun reads back (TORCHELASTIC_ERROR_FILE, as
+    torch's `@record` writes it): its failure report then names the cause. A shardlm error is its one line
+    `error: ...` (the same on every rank that refuses); anything else, the exception and its traceback. Called
+    while the failure is being handled (the CLI's `except`); nothing without torchrun or an exception."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    error = sys.exc_info()[1]
+    if not path or code == 0 or not isinstance(error, Exception):
+        return
+    if isinstance(error, ShardlmError):
+        info: dict[str, str] = {}
+        message = f"error: {error}"
+    else:
+        message = f"{type(error).__name__}: {error}"
+        info = {"py_callstack": traceback.format_exc()}
+    data = {"message": {"message": message, "extraInfo": {**info, "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as f:  # best effort: the rank's own output said it already
+        json.dump(data, f)
+
+
 def shutdown(code: int = 0, before_exit: Callable[[], None] | None = None) -> None:
     """Tear the group down and leave at once; `before_exit` runs first (the CLI's: mark a crashed run's
-    trackers finished, since os._exit skips atexit).
+    trackers finished, since os._exit skips atexit). A failure being handled is recorded for torchrun first
+    (`record_failure`).
 
     A finished FSDP2 process can abort in interpreter teardown after destroy_process_group(); flushing
     and `os._exit` avoids that (measured: ~4% of exits abort otherwise), so multi-process runs are not flaky.
     """
+    record_failure(code)
     if dist.is_initialized():
         if before_exit is not None:
             before_exit()

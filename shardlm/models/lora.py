@@ -61,7 +61,11 @@ def backend(lc: LoraConfig, device: torch.device | None = None, sharded: bool = 
 
 def check(lc: LoraConfig, device: torch.device | None = None, sharded: bool = False) -> None:
     """QLoRA's refusals that depend on the device and the plan (the settings are checked with the config; the
-    weights' shapes where the model is built, shardlm.models.nf4.check)."""
+    weights' shapes where the model is built, shardlm.models.nf4.check). A backend chosen for no quantization would
+    pass for QLoRA while the base trains in full precision: refused."""
+    if lc.quant_backend != "auto" and lc.quantize != "nf4":
+        raise ShardlmError(f"lora.quant_backend={lc.quant_backend} has no effect without lora.quantize=nf4: set "
+                           "lora.quantize=nf4, or drop lora.quant_backend.")
     chosen = backend(lc, device, sharded)
     if chosen is not None and device is not None and device.type == "xla":
         raise ShardlmError("lora.quantize=nf4 (QLoRA) does not run on XLA devices (neither torchao's NF4 tensors nor "

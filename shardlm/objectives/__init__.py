@@ -3,7 +3,8 @@
 | family | train.objective | trains on | home |
 |---|---|---|---|
 | language modelling | sft | text blocks, examples' answers | `lm.py` |
-| preference pairs | dpo, ipo, simpo, orpo | chosen/rejected pairs | `preference/` |
+| preference pairs | dpo, ipo, simpo, orpo | chosen/rejected pairs | `preference/pairs.py` |
+| unpaired preference | kto | examples labelled desirable or not | `preference/kto.py` |
 | online RL | grpo, rloo | prompts, sampled completions scored by rewards | `rl/` |
 | distillation | distill | text or examples, and a teacher | `distill/` |
 
@@ -17,10 +18,11 @@ from shardlm.objectives.base import Loop, Objective, StepOut
 from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.distill.step import Distill
 from shardlm.objectives.lm import LanguageModeling
+from shardlm.objectives.preference.kto import KTO
 from shardlm.objectives.preference.pairs import Preference
 from shardlm.objectives.rl.step import RLStep
 
-FAMILIES: tuple[type[Objective], ...] = (LanguageModeling, Preference, RLStep, Distill)
+FAMILIES: tuple[type[Objective], ...] = (LanguageModeling, Preference, KTO, RLStep, Distill)
 NAMES: tuple[str, ...] = tuple(name for family in FAMILIES for name in family.names)
 
 __all__ = ["FAMILIES", "NAMES", "Defaults", "Loop", "Objective", "StepOut", "objective_family"]

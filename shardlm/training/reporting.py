@@ -10,10 +10,12 @@ Eta, MFU) are in shardlm.observe.metrics.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from shardlm.config import task_defaults_note
@@ -110,7 +112,7 @@ class Reporter:
         self.seconds, self.steps, self.targets = 0.0, 0, 0
         self.objective = objective_family(cfg.train.objective)  # what its records and validation lines hold
         self.stats: torch.Tensor | None = None  # the objective's statistic sums since the last record
-        self.rl: dict[str, list[float]] = {}  # online RL: each statistic's values since the last record
+        self.rl: dict[str, list[float]] = {}  # each global statistic's values since the last record (online RL)
         self.last_val: dict[str, Any] | None = None
         self.held_out = 0
 
@@ -163,6 +165,9 @@ class Reporter:
         if self.objective.sampled:  # the rates of what was sampled and trained
             pref, target_fraction, mfu = self._rl_record(), 1.0, None
             tps = pref.pop("tokens_per_s")
+        elif self.rl:  # statistics the objective gave reduced over every rank (kto): their means over the steps
+            values, self.rl = self.rl, {}
+            pref = {k: float(np.nanmean(v)) if not np.isnan(v).all() else math.nan for k, v in values.items()}
         peak_mem = peak_memory_bytes(self.device)
         self.log.write({"step": step, "split": "train", "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "tokens": tokens, "tokens_per_s": tps, "mfu": mfu,

@@ -82,14 +82,23 @@ def check_teacher_resume(cfg: Config, resumed: Any, on_main: Any) -> None:
     import json
 
     from shardlm.checkpoint import layout
-    from shardlm.objectives.distill.teacher import identity_key, teacher_changed, teacher_identity, teacher_source
+    from shardlm.objectives.distill.teacher import (
+        former_key,
+        identity_key,
+        teacher_changed,
+        teacher_identity,
+        teacher_source,
+    )
 
     def keys() -> str:
         state_file = resumed / layout.TRAINER_STATE
         saved = json.loads(state_file.read_text()).get("teacher_key") if state_file.is_file() else None
-        return json.dumps([saved, identity_key(teacher_identity(teacher_source(cfg.distill.teacher))) if saved
-                           else None])
+        if saved is None:
+            return json.dumps([None, None, None])
+        src = teacher_source(cfg.distill.teacher)
+        identity = teacher_identity(src)
+        return json.dumps([saved, identity_key(identity), former_key(src, identity)])
 
-    saved, now = json.loads(on_main(keys))
-    if saved is not None and saved != now:
+    saved, now, former = json.loads(on_main(keys))
+    if saved is not None and saved not in (now, former):
         raise teacher_changed(cfg, saved, now)

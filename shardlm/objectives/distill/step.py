@@ -41,6 +41,7 @@ from shardlm.objectives.distill.preflight import check_live_teacher, check_teach
 from shardlm.objectives.distill.samples import on_policy_step, row_keys, step_completions
 from shardlm.objectives.distill.teacher import (
     check_teacher_tokenizer,
+    former_key,
     identity_key,
     load_teacher,
     teacher_changed,
@@ -135,7 +136,7 @@ class Distill(Defaults):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resume with another teacher is refused before any step (the teacher is never in a checkpoint)."""
         saved = state.get("teacher_key")
-        if saved is not None and saved != self.key:
+        if saved is not None and saved not in (self.key, former_key(self.src, self.identity)):
             raise teacher_changed(self.cfg, saved, self.key)
 
     def resumed(self, loop: Loop) -> None:

@@ -127,22 +127,36 @@ def teacher_hf_config(cfg: Config, src: TeacherSource, tokenizer: Any) -> Any:
 
 
 def teacher_identity(src: TeacherSource) -> dict[str, Any]:
-    """Who the teacher is: a model folder's (or cached hub model's) config and weights hashes, as a LoRA base's
-    identity is taken; a checkpoint's path and the hash of its files."""
+    """Who the teacher is, by its files' contents wherever they lie: a model folder's sha256 of config.json and of
+    its weight files (as a LoRA base's identity is taken, provenance.base_identity); a checkpoint's sha256 of its
+    files (their names inside it and their bytes). A byte-identical copy in another folder is the same teacher. A
+    hub name keeps its name beside the hashes of its cached snapshot (the name alone when not cached)."""
     if src.checkpoint is None:
         assert src.model_name is not None
         ident = base_identity(src.model_name)
-        return {k: ident.get(k) for k in ("name", "config_sha256", "weights_sha256")}
+        local = Path(src.model_name).expanduser().is_dir()
+        keys = ("config_sha256", "weights_sha256") if local and ident.get("weights_sha256") else \
+            ("name", "config_sha256", "weights_sha256")
+        return {k: ident.get(k) for k in keys}
     h = hashlib.sha256()
     for f in sorted(p for p in src.checkpoint.rglob("*") if p.is_file()):
         h.update(f.relative_to(src.checkpoint).as_posix().encode())
         with open(f, "rb") as stream:
             while chunk := stream.read(16 * 2**20):
                 h.update(chunk)
-    return {"name": str(src.checkpoint.resolve()), "checkpoint_sha256": h.hexdigest()}
+    return {"checkpoint_sha256": h.hexdigest()}
+
+
+def former_key(src: TeacherSource, identity: dict[str, Any]) -> str:
+    """The key a run saved before identities left out the folder: the same files at the same path resume."""
+    if src.checkpoint is None:
+        return identity_key({"name": src.model_name, **{k: identity.get(k) for k in ("config_sha256",
+                                                                                      "weights_sha256")}})
+    return identity_key({"name": str(src.checkpoint.resolve()), **identity})
 
 
 def identity_key(identity: dict[str, Any]) -> str:
+    """The identity as a run's state records it (`teacher_key`); with the same files, the same key."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
