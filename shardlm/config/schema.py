@@ -109,7 +109,7 @@ class TrainConfig:
     sample_prompt: str = "\n"  # prompt of that sample
     gen_every: int = 0  # every N steps: generation-quality metrics (split "gen", as eval --generation); 0 = off
     gen_samples: int = 32  # held-out prompts sampled for those metrics
-    objective: str = "sft"  # sft (next-token) | dpo | ipo | simpo | orpo (preference pairs) | grpo | rloo | distill
+    objective: str = "sft"  # sft | dpo | ipo | simpo | orpo (pairs) | kto (labelled examples) | grpo | rloo | distill
     optimizer: str = "adamw"  # adamw | muon | adamw8bit | adafactor | schedule_free_adamw | sgd (HF's names too)
     optimizer_args: dict[str, Any] = field(default_factory=dict)  # the optimizer's other arguments (docs/optimizers.md)
     muon_lr: float | None = None  # muon: peak learning rate of the block matrices; None = train.lr

@@ -24,12 +24,12 @@ from shardlm.config import Config, DataConfig
 from shardlm.config.grpo import check_prompt_fits
 from shardlm.data.cache import build_once, cache_root, damage, read_meta
 from shardlm.data.formats import BadExample
-from shardlm.data.prompts import PromptRows, RLPrompt, prompt_token_ids, rl_prompt
+from shardlm.data.prompts import FieldCount, PromptRows, RLPrompt, field_names, prompt_token_ids, rl_prompt
 from shardlm.data.records import first_record, iter_records
 from shardlm.data.sources import Source, resolve
 from shardlm.tokenizer import fingerprint, template_fingerprint
 
-PROMPTS_FORMAT = 1
+PROMPTS_FORMAT = 2  # 2: a null `answer` is left out of the fields (caches of 1 hold it as None)
 Log = Callable[[str], None]
 
 
@@ -58,36 +58,10 @@ def _is_json(value) -> bool:
     return True
 
 
-class _Fields:
-    """The fields of the prompts seen so far: how many hold each (in first-seen order), and the first prompt
-    without it. A reward can only use a field every prompt holds; one that most hold is named in a warning."""
-
-    def __init__(self) -> None:
-        self.n, self.first = 0, ""
-        self.held: dict[str, int] = {}
-        self.first_without: dict[str, str] = {}
-
-    def add(self, where: str, fields: dict) -> None:
-        self.first = self.first or where
-        for name in fields:
-            if name not in self.held:
-                self.held[name] = 0
-                if self.n:  # the prompts before this one lack it
-                    self.first_without[name] = self.first
-            self.held[name] += 1
-        for name in self.held.keys() - fields.keys():
-            self.first_without.setdefault(name, where)
-        self.n += 1
-
-    def meta(self) -> dict:
-        return {"fields": [f for f, k in self.held.items() if k == self.n],
-                "partial_fields": {f: {"lacking": self.n - k, "first": self.first_without[f]}
-                                   for f, k in self.held.items() if k < self.n}}
-
-
 def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
-    offsets, lines, skipped, fields = [0], [0], [], _Fields()  # type: list[int], list[int], list[str], _Fields
+    offsets, lines, skipped = [0], [0], []  # type: list[int], list[int], list[str]
+    fields = FieldCount()
     with open(tmp / "tokens.bin", "wb") as ids_out, open(tmp / "prompts.jsonl", "wb") as lines_out:
         for where, record in iter_records(source):
             try:
@@ -154,8 +128,8 @@ def load_prompts(folder: Path) -> PromptRows:
     meta = read_meta(folder)
     tokens = np.memmap(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["num_tokens"],))
     return PromptRows(tokens, np.load(folder / "offsets.npy"), _Lines(folder / "prompts.jsonl",
-                      np.load(folder / "lines.npy")), meta["fields"], meta["source"], meta={**meta,
-                      "folder": str(folder)})
+                      np.load(folder / "lines.npy")), field_names(meta, meta["prompts"]), meta["source"],
+                      meta={**meta, "folder": str(folder)})
 
 
 def prompts_in_memory(source: Source, tok, cfg: DataConfig) -> PromptRows:

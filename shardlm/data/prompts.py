@@ -7,6 +7,8 @@ field the built-in rewards compare with (Alpaca and ShareGPT records as the conv
 - chat data (`{"messages": [...]}`): the prompt is every turn before the last assistant turn, that turn the
   answer (a conversation that does not end with the assistant's turn is all prompt, with no answer);
 - prompt/completion data: the completion is the answer, unless the record has an `answer` of its own.
+An `"answer": null` is no answer (as a record without one). The rewards get the fields every prompt holds;
+`FieldNames` also keeps, for a field only some hold, the first record that lacks it, for the message that needs it.
 A conversational prompt is rendered with the chat template and its generation prompt, as `generate --chat` and
 `eval --exact-match` render it (`data.system_prompt` added where it has no system message); a text prompt is
 tokenized as TRL tokenizes it. The reward functions get conversational completions as TRL gives them: one
@@ -60,7 +62,11 @@ _AS_CHAT = {"alpaca": ("instruction", "input", "output", "system"), "sharegpt": 
 
 
 def rl_prompt(record: dict, where: str, system: str | None = None) -> RLPrompt:
-    """A record as an RL prompt (BadExample, one line naming the fix, when it holds none)."""
+    """A record as an RL prompt (BadExample, one line naming the fix, when it holds none). `"answer": null` is no
+    answer, as `eval --exact-match` reads it: left out (the completion or the chat's last answer stands in), so a
+    reward that needs it names the record instead of comparing completions with the text 'None'."""
+    if record.get("answer", "") is None:
+        record = {k: v for k, v in record.items() if k != "answer"}
     if "prompt" in record:
         prompt = record["prompt"]
         fields = {k: v for k, v in record.items() if k not in ("prompt", "completion")}
@@ -119,6 +125,16 @@ def completion_for_rewards(text: str, prompt: RLPrompt) -> str | list[dict]:
 Entry = Callable[[int], tuple[str, RLPrompt]]  # record k -> (where, prompt)
 
 
+class FieldNames(list):
+    """The fields every prompt holds (a list of names), and `partial`: for each field only some prompts hold, how
+    many prompts there are, how many lack it and the first that does (its path:line), which a reward that needs
+    the field names (a bare list of names cannot say which record to fix)."""
+
+    def __init__(self, names: Iterable[str] = (), partial: dict[str, tuple[int, int, str]] | None = None):
+        super().__init__(names)
+        self.partial = partial or {}
+
+
 class PromptRows:
     """Prompts `[start, end)` of a set: each one's rendered ids (`tokens[offsets[k]:offsets[k + 1]]`) and, read
     only when asked for, its `RLPrompt` and where it came from. Sampling and scoring index it as ExampleRows is
@@ -175,12 +191,47 @@ class PromptRows:
         return f"{self.spec}: {len(self):,} prompt{'s' * (len(self) != 1)}{longest}; fields for the rewards: {fields}"
 
 
-def common_fields(prompts: Iterable[RLPrompt]) -> list[str]:
-    """The fields every prompt holds, in the first one's order (a reward may need only these)."""
-    names: list[str] | None = None
-    for p in prompts:
-        names = list(p.fields) if names is None else [n for n in names if n in p.fields]
-    return names or []
+class FieldCount:
+    """The fields of the prompts seen so far: how many hold each (in first-seen order), and the first prompt
+    without it. A reward can only use a field every prompt holds; one that only some hold is named in a warning
+    (the prompt cache's) and by a reward that needs it, with the first record to fix."""
+
+    def __init__(self) -> None:
+        self.n, self.first = 0, ""
+        self.held: dict[str, int] = {}
+        self.first_without: dict[str, str] = {}
+
+    def add(self, where: str, fields: dict) -> None:
+        self.first = self.first or where
+        for name in fields:
+            if name not in self.held:
+                self.held[name] = 0
+                if self.n:  # the prompts before this one lack it
+                    self.first_without[name] = self.first
+            self.held[name] += 1
+        for name in self.held.keys() - fields.keys():
+            self.first_without.setdefault(name, where)
+        self.n += 1
+
+    def meta(self) -> dict:
+        return {"fields": [f for f, k in self.held.items() if k == self.n],
+                "partial_fields": {f: {"lacking": self.n - k, "first": self.first_without[f]}
+                                   for f, k in self.held.items() if k < self.n}}
+
+
+def field_names(meta: dict, prompts: int) -> FieldNames:
+    """FieldCount.meta() (as a prompt cache's meta.json holds it) of `prompts` prompts as FieldNames."""
+    return FieldNames(meta["fields"], {f: (prompts, int(p["lacking"]), str(p["first"]))
+                                       for f, p in meta.get("partial_fields", {}).items()})
+
+
+def common_fields(entries: Iterable[tuple[str, RLPrompt]]) -> FieldNames:
+    """The fields every prompt holds, in the first one's order (a reward may need only these), and those only
+    some hold (`FieldNames.partial`)."""
+    count = FieldCount()
+    for where, p in entries:
+        count.add(where, p.fields)
+    return field_names(count.meta(), count.n)
 
 
 def prompt_rows(records: Iterable[dict], tok, cfg: DataConfig, where: str = "records") -> PromptRows:
@@ -204,4 +255,4 @@ def prompt_rows(records: Iterable[dict], tok, cfg: DataConfig, where: str = "rec
         raise ShardlmError(f"{where} holds no prompts. Give records such as "
                            '{"prompt": "...", "answer": "..."}.')
     return PromptRows(np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64), entries.__getitem__,
-                      common_fields(p for _, p in entries), where)
+                      common_fields(entries), where)

@@ -7,7 +7,8 @@ keyword list, one entry per completion, and returns one float per completion, or
 Everything that can go wrong with a user's function is reported in one line naming the function (and, for a
 value, the prompt), because a reward bug otherwise shows only as a run that does not learn.
 
-Built-ins (`answer` is the reference field, as `eval --exact-match` and chat data's last answer provide it):
+Built-ins (`answer` is the reference field, as `eval --exact-match` and chat data's last answer provide it; each
+returns None where a prompt's `answer` is None, never comparing with the text 'None'):
 - `exact_match`: 1 when the completion equals `answer` after trimming whitespace at both ends, else 0 (the rule
   of `shardlm eval --exact-match`).
 - `partial_match`: credit per character position, for answers that are built one character at a time (the
@@ -55,7 +56,9 @@ def text_of(completion: Any) -> str:
 
 
 def exact_match(completions: list, answer: list, **_: Any) -> list[float | None]:
-    return [float(text_of(c).strip() == str(a).strip()) for c, a in zip(completions, answer, strict=True)]
+    """None where the answer is None: no reference, never the text 'None'."""
+    return [None if a is None else float(text_of(c).strip() == str(a).strip())
+            for c, a in zip(completions, answer, strict=True)]
 
 
 def partial_credit(text: str, reference: str) -> float:
@@ -69,7 +72,8 @@ def partial_credit(text: str, reference: str) -> float:
 
 
 def partial_match(completions: list, answer: list, **_: Any) -> list[float | None]:
-    return [partial_credit(text_of(c), str(a)) for c, a in zip(completions, answer, strict=True)]
+    return [None if a is None else partial_credit(text_of(c), str(a))
+            for c, a in zip(completions, answer, strict=True)]
 
 
 def last_number(text: str) -> float | None:
@@ -85,7 +89,7 @@ def last_number(text: str) -> float | None:
 def numeric(completions: list, answer: list, **_: Any) -> list[float | None]:
     out: list[float | None] = []
     for c, a in zip(completions, answer, strict=True):
-        want, got = last_number(str(a)), last_number(text_of(c))
+        want, got = None if a is None else last_number(str(a)), last_number(text_of(c))
         out.append(None if want is None else float(got is not None and math.isclose(got, want, rel_tol=1e-9,
                                                                                      abs_tol=1e-9)))
     return out
@@ -198,6 +202,12 @@ def check_call(reward: Reward, fields: Sequence[str]) -> None:
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in CALL_KEYWORDS]
     missing += [n for n in required if n not in fields and n not in missing]
     if missing:
+        partial = getattr(fields, "partial", {}).get(missing[0])  # prompts.FieldNames: some prompts hold it
+        if partial:
+            total, lacking, first = partial
+            raise ShardlmError(f"reward '{reward.name}' needs the field '{missing[0]}', which {lacking:,} of the "
+                               f"{total:,} prompts lack (the first: {first}; a null value counts as none): add it "
+                               "to every record, or use another reward.")
         raise ShardlmError(f"reward '{reward.name}' needs the field '{missing[0]}', which the prompt data lacks "
                            f"(its fields: {', '.join(fields) or 'none besides the prompt'}): add it to every record, "
                            "or use another reward.")
@@ -216,6 +226,8 @@ class RewardSet:
 
     def __init__(self, rewards: list[Reward], weights: list[float]):
         self.rewards, self.weights = rewards, weights
+        self.rounds = 0  # training rounds scored so far (rollout.check_applied: the first's all-None stops the run)
+        self.warned = False  # check_applied's warning of a later round with every reward None (once a run)
 
     @property
     def names(self) -> list[str]:
@@ -245,6 +257,11 @@ class RewardSet:
         return torch.tensor(self.weights, dtype=torch.float32)
 
 
+def _short(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _where(prompts: list, i: int) -> str:
     """`completion i (prompt '...')`: which completion, and the start of its prompt."""
     if i >= len(prompts):
@@ -264,11 +281,14 @@ def call(reward: Reward, prompts: list, completions: list, completion_ids: list[
         where = f" on {_where(prompts, i)}" if i is not None else ""
         raise ShardlmError(f"reward '{reward.name}' raised {type(e).__name__}: {e}{where}. Fix the function "
                            "(return None for a completion it cannot score).") from None
-    try:
+    try:  # text and mappings iterate too, but as characters or keys: not one number per completion
+        if isinstance(values, (str, bytes, dict)):
+            raise TypeError
         values = list(values)
     except TypeError:
-        raise ShardlmError(f"reward '{reward.name}' returned a {type(values).__name__}, not a list: it must return "
-                           f"one float (or None) per completion ({SIGNATURE}).") from None
+        shown = f" ({_short(values)})" if isinstance(values, (str, bytes)) else ""
+        raise ShardlmError(f"reward '{reward.name}' returned a {type(values).__name__}{shown}, not a list of "
+                           f"numbers: it must return one float (or None) per completion ({SIGNATURE}).") from None
     if len(values) != n:
         raise ShardlmError(f"reward '{reward.name}' returned {len(values)} values for {n} completions: it must "
                            "return one float (or None) per completion, in order.")

@@ -14,7 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as tdist
 
+from shardlm import ShardlmError
 from shardlm.config import GrpoConfig
 from shardlm.data.prompts import RLPrompt, completion_for_rewards
 from shardlm.objectives.rl.loss import EPS, Advantages, group_advantages, rloo_advantages
@@ -54,8 +56,8 @@ def _batch_scaled(per_func: torch.Tensor, weights: torch.Tensor, group: int, all
     if all_reduce is not None:
         all_reduce(sums, "sum")
     total, squares, n = sums.tolist()
-    std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else 0.0
-    advantages = centred.advantages / (std + EPS)
+    std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else math.nan  # TRL's nanstd
+    advantages = torch.nan_to_num(centred.advantages / (std + EPS), nan=0.0)
     std_zero = torch.full_like(rewards, float(math.isclose(std, 0.0, abs_tol=1e-8))).bool()
     return Advantages(advantages, rewards, std_zero)
 
@@ -70,6 +72,7 @@ def score_round(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list
     per_func = rewards.score([p.prompt for p in owners], [completion_for_rewards(t, p) for t, p in
                                                           zip(texts, owners, strict=True)],
                              rollout.completions, fields)
+    check_applied(per_func, rewards, all_reduce)
     weights = rewards.weight_tensor
     if objective == "rloo":
         scored = rloo_advantages(per_func, weights, g.group, g.normalize_advantages)
@@ -80,6 +83,44 @@ def score_round(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list
     truncated = torch.tensor(rollout.truncated, dtype=torch.bool)
     loss_mask = (~truncated).float() if g.mask_truncated_completions else torch.ones(len(texts))
     return ScoredRound(rollout, texts, per_func, scored, loss_mask)
+
+
+def _warn(line: str) -> None:
+    if not tdist.is_initialized() or tdist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def check_applied(per_func: torch.Tensor, rewards: RewardSet, all_reduce: AllReduce | None = None) -> None:
+    """A round in which every reward returned None for every completion trains nothing (advantages, loss and
+    gradient 0) and its metrics look calm (frac_reward_zero_std counts no group whose std is undefined, as TRL's):
+    in the run's first round that is a function that never applies (it reads the wrong field, say), so the run
+    stops; in a later round it is one warning a run, as is one reward None throughout the first round while
+    another scores. Counted over every rank, so every rank decides alike."""
+    applied = (~torch.isnan(per_func)).sum(0).double()
+    counts = torch.cat([applied, applied.new_tensor([len(per_func)])])  # per reward, then the completions
+    if all_reduce is not None:
+        all_reduce(counts, "sum")
+    *scored, n = (int(x) for x in counts.tolist())
+    first, rewards.rounds = rewards.rounds == 0, rewards.rounds + 1
+    unused = [r.name for r, k in zip(rewards.rewards, scored, strict=True) if k == 0]
+    if not n or not unused:
+        return
+    if len(unused) == len(rewards.rewards):
+        if first:
+            raise ShardlmError(f"every reward ({', '.join(unused)}) returned None for all {n} completions of the "
+                               "first generation round, so the run would learn nothing (advantages, loss and "
+                               "gradient 0): make each function return a float where it can score a completion "
+                               "(None only where it cannot), and check the fields it reads.")
+        if not rewards.warned:
+            rewards.warned = True
+            _warn(f"warning: every reward ({', '.join(unused)}) returned None for all {n} completions of generation "
+                  f"round {rewards.rounds}, which trains nothing (advantages 0): if it recurs, check what the "
+                  "functions return (warned once)")
+    elif first:
+        for name in unused:
+            _warn(f"warning: reward '{name}' returned None for all {n} completions of the first generation round, "
+                  "so it adds nothing to their rewards (the others train): if it should apply to these prompts, "
+                  "check the fields it reads")
 
 
 def round_metrics(r: ScoredRound, names: list[str], all_reduce: AllReduce | None = None) -> dict[str, float]:

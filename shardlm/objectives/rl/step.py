@@ -326,8 +326,15 @@ class RLStep(Defaults):
 
     def sample_lines(self, n: int = 2) -> list[str]:
         """A few of this rank's completions of the last round with their rewards (printed at log steps). The
-        prompt's tail and the completion are shown as reprs cut to 40 and 100 characters: an escape such as
-        '\\x01' takes 4 characters and a token may decode to many, so an uncut line could run to hundreds."""
+        prompt's tail and the completion are shown as reprs of at most 40 and 100 characters, cut at whole
+        characters ('...' where the completion is cut): an escape such as '\\x01' takes 4 characters and a token
+        may decode to many, so an uncut line could run to hundreds."""
+        def cut(text: str, width: int, tail: bool = False) -> str:  # the longest end (start) whose repr fits
+            part = text[-width:] if tail else text[:width]
+            while len(repr(part)) > width:
+                part = part[1:] if tail else part[:-1]
+            return part
+
         r = self.round
         if r is None:
             return []
@@ -335,11 +342,10 @@ class RLStep(Defaults):
         names = self.rewards.metric_names
         for p in range(min(n, len(r.scored.rollout.prompts))):
             i = p * self.g.group
-            prompt = repr(self.tok.decode(r.scored.rollout.prompts[p], skip_special_tokens=False)[-40:])[-40:]
-            text = repr(r.texts[i])
-            text = text if len(text) <= 100 else text[:97] + "..."
+            prompt = cut(self.tok.decode(r.scored.rollout.prompts[p], skip_special_tokens=False), 40, tail=True)
+            text = cut(r.texts[i], 100)
             values = ", ".join(f"{k} {v:.2f}" for k, v in zip(names, r.scored.per_func[i].tolist(), strict=True))
-            out.append(f"  sample: ...{prompt} -> {text} ({values})")
+            out.append(f"  sample: ...{prompt!r} -> {text!r}{'...' * (text != r.texts[i])} ({values})")
         return out
 
     # ---- validation ---------------------------------------------------------------------------------------------
