@@ -131,7 +131,7 @@ def test_online_rl_takes_trls_defaults():
     rloo = load_config(None, [*room, "train.objective=rloo", "train.batch_size=6"])
     assert (rloo.grpo.group, rloo.grpo.beta, rloo.train.lr) == (2, 0.05, 3e-3)
     assert task_defaults_note(rloo) == ("train.objective=rloo defaults (TRL's RLOOConfig): grpo.group=2, "
-                                        "grpo.beta=0.05; set any to override")
+                                        "grpo.beta=0.05, data.seq_len=1024; set any to override")
     grpo = load_config(None, [*room, "train.objective=grpo", "model.name=./m", "lora.r=8", "train.batch_size=8"])
     assert (grpo.grpo.group, grpo.grpo.beta, grpo.train.lr, grpo.train.warmup_steps) == (8, 0.0, 1e-6, 0)
     assert "train.objective=grpo takes TRL's GRPOConfig's): train.lr=1e-06" in task_defaults_note(grpo)

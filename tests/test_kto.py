@@ -109,3 +109,26 @@ def test_kto_derivation_rotates_completions_within_runs(kto_file, cache_dir, tmp
     assert pairs[4]["rejected"] == source[7]["completion"]  # the next run starts again
     labels = np.load(tmp_path / "train.labels.npy")
     assert labels.tolist() == [s["label"] for s in source]
+
+
+def test_a_resume_that_changes_the_objective_is_refused_unless_allowed(kto_one, kto_file, cache_dir, tmp_path):
+    """docs/checkpoints.md: a resume keeps what the run optimizes (its objective and that objective's section);
+    the learning rate or the steps change freely, and checkpoint.allow_changes=true allows the rest, once."""
+    import shutil
+
+    from helpers import folder_digest
+
+    run = tmp_path / "run"
+    shutil.copytree(kto_one, run)
+    before = folder_digest(run)
+    for change, says in (("preference.beta=0.9", "preference.beta 0.5 -> 0.9"),
+                         ("train.objective=sft", "train.objective kto -> sft")):
+        proc = shardlm_cli([*kto_args(kto_file, cache_dir, run, **{"train.max_steps": 7}), change], check=False)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(errors) == 1 and says in errors[0] \
+            and "checkpoint.allow_changes=true" in errors[0], proc.stderr
+        assert folder_digest(run) == before  # nothing written
+    shardlm_cli([*kto_args(kto_file, cache_dir, run, **{"train.max_steps": 7}), "preference.beta=0.9",
+                 "checkpoint.allow_changes=true"])
+    assert records(run)[-1]["step"] == 7
+    assert "allow_changes: false" in (run / "config.yaml").read_text()  # one invocation's permission

@@ -273,6 +273,7 @@ def to_flat_dict(cfg: Config) -> dict[str, Any]:
 def save_config(cfg: Config, path: str | Path) -> None:
     """YAML with the public key names (`checkpoint.async`, not the field's `async_save`)."""
     tree = to_dict(cfg)
+    tree["checkpoint"]["allow_changes"] = False  # one invocation's permission: a later resume asks again
     for public, field_name in KEY_ALIASES.items():
         section, name = field_name.split(".")
         tree[section] = {public.split(".")[1] if k == name else k: v for k, v in tree[section].items()}

@@ -58,24 +58,30 @@ class Spec:
     peer: str = ""  # TRL's config whose defaults it takes (the run header names it)
     defaults: dict[str, float] = field(default_factory=dict)  # beyond the dataclass's (TRL's)
     lr: float | None = None  # train.lr for a pretrained model, where it is not fine-tuning's
+    section: str | None = None  # its config section: a resume that changes it changes what the run optimizes
 
 
 # Online RL takes TRL's: GRPOConfig's and RLOOConfig's learning rate (LoRA or not), and RLOOConfig's group and KL
 # coefficient for rloo (the grpo section's own defaults are GRPOConfig's: group 8, beta 0).
 RL_LR = 1e-6
-_RL = {"family": "rl", "reads": "prompts", "check": _check_rl, "lr": RL_LR,
+# data.seq_len holds a prompt and its completion: TRL's max_prompt_length (512) and grpo.max_completion_length (512)
+RL_SEQ_LEN = 1024
+_RL = {"family": "rl", "reads": "prompts", "check": _check_rl, "lr": RL_LR, "section": "grpo",
        "samples": lambda cfg: f"train.objective={cfg.train.objective}"}
 
 SPECS: dict[str, Spec] = {
     "sft": Spec("lm", context_split=True, router_loss=True),
-    "dpo": Spec("preference", reads="pairs", reference=True, context_split=True, rpo=True, peer="DPOConfig"),
-    "ipo": Spec("preference", reads="pairs", reference=True, context_split=True, rpo=True, peer="DPOConfig"),
-    "simpo": Spec("preference", reads="pairs", context_split=True, peer="CPOConfig"),
-    "orpo": Spec("preference", reads="pairs", context_split=True, nll=True, peer="ORPOConfig"),
-    "grpo": Spec(**_RL, peer="GRPOConfig"),  # type: ignore[arg-type]
-    "rloo": Spec(**_RL, peer="RLOOConfig", defaults={"grpo.group": 2, "grpo.beta": 0.05}),  # type: ignore[arg-type]
-    "kto": Spec("kto", reads="unpaired", reference=True, peer="KTOConfig"),
-    "distill": Spec("distill", check=check_distill, peer="GKDConfig",
+    "dpo": Spec("preference", reads="pairs", reference=True, context_split=True, rpo=True, peer="DPOConfig",
+                section="preference"),
+    "ipo": Spec("preference", reads="pairs", reference=True, context_split=True, rpo=True, peer="DPOConfig",
+                section="preference"),
+    "simpo": Spec("preference", reads="pairs", context_split=True, peer="CPOConfig", section="preference"),
+    "orpo": Spec("preference", reads="pairs", context_split=True, nll=True, peer="ORPOConfig", section="preference"),
+    "grpo": Spec(**_RL, peer="GRPOConfig", defaults={"data.seq_len": RL_SEQ_LEN}),  # type: ignore[arg-type]
+    "rloo": Spec(**_RL, peer="RLOOConfig",  # type: ignore[arg-type]
+                 defaults={"grpo.group": 2, "grpo.beta": 0.05, "data.seq_len": RL_SEQ_LEN}),
+    "kto": Spec("kto", reads="unpaired", reference=True, peer="KTOConfig", section="preference"),
+    "distill": Spec("distill", check=check_distill, peer="GKDConfig", section="distill",
                     samples=lambda cfg: f"distill.on_policy={cfg.distill.on_policy:g}" if cfg.distill.on_policy > 0
                     else None),
 }
@@ -96,6 +102,17 @@ def check(cfg: Config) -> None:
                            f"train.objective={name} " + (f"has its own ({name})." if s.nll else "does not take it.")
                            + " Set preference.rpo_alpha=0 or train.objective=dpo.")
     s.check(cfg)
+
+
+def changes(saved: Config, cfg: Config) -> list[str]:
+    """What a resume would change of what the run optimizes: its objective, or a key of its section."""
+    if saved.train.objective != cfg.train.objective:
+        return [f"train.objective {saved.train.objective} -> {cfg.train.objective}"]
+    section = spec(cfg).section
+    if section is None:
+        return []
+    before, now = vars(getattr(saved, section)), vars(getattr(cfg, section))
+    return [f"{section}.{k} {before[k]!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
 
 
 def names(family: str) -> tuple[str, ...]:

@@ -193,6 +193,7 @@ class CheckpointConfig:
     async_save: bool = False  # DCP async save: training goes on while shards are written
     export_final: bool = False  # write a Hugging Face folder to OUT_DIR/hf at the end
     save_final: bool = True  # checkpoint when training ends
+    allow_changes: bool = False  # a resume may change what the run optimizes (its objective, its section's keys)
 
 
 @dataclass

@@ -17,6 +17,7 @@ at load, before anything is written) and train.gen_every's needs (shardlm.infere
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from shardlm import ShardlmError
 from shardlm.checkpoint import layout
-from shardlm.config import Config
+from shardlm.config import Config, objectives
 from shardlm.data import ExampleRows, Split
 from shardlm.distributed.parallelize import Plan, plan
 from shardlm.distributed.process_group import pick_device
@@ -122,6 +123,18 @@ def check_resumed_masks(cfg: Config, path: Path, on_main: OnMain = _here) -> Non
                            f"(shardlm export {path} DIR, then model.name=DIR).")
 
 
+def check_same_objective(cfg: Config, path: Path, on_main: OnMain = _here) -> None:
+    """A resume trains on with what the run optimizes: another objective, reward, group size, teacher setting or
+    preference beta would silently make the rest of the run another experiment. Refused unless the user says so
+    (checkpoint.allow_changes=true); the learning rate, steps, data, logging and the like change freely."""
+    saved = on_main(lambda: json.dumps(objectives.changes(layout.read_config(path), cfg))
+                    if (path / layout.CONFIG).is_file() else "[]")
+    if changed := json.loads(saved):
+        raise ShardlmError(f"checkpoint '{path}' was trained with other objective settings ({'; '.join(changed)}): "
+                           "resuming would change what the run optimizes. Resume with the run's own settings, add "
+                           "checkpoint.allow_changes=true to change them from here on, or start a new out_dir.")
+
+
 def count_steps(cfg: Config, train: Split, world: int) -> int:
     """The run's steps on this data: train.epochs over its blocks (or online RL's prompts), or train.max_steps."""
     return objective_family(cfg.train.objective).count_steps(cfg, train, world)
@@ -158,4 +171,6 @@ def check_resume(cfg: Config, hf_cfg: Any, train: Split, val: Split, resumed: Pa
     anything is written, not at the first step (after the run folder's config and event files)."""
     if resumed is not None and isinstance(train, ExampleRows):
         check_resumed_masks(cfg, resumed, on_main)
+    if resumed is not None and not cfg.checkpoint.allow_changes:
+        check_same_objective(cfg, resumed, on_main)
     objective_family(cfg.train.objective).check_resume(cfg, hf_cfg, train, val, resumed, on_main)
