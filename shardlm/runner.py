@@ -16,6 +16,7 @@ from shardlm.data import describe
 from shardlm.distributed.full_state import gather_hf_model
 from shardlm.inference.generate import generate_text
 from shardlm.inference.genquality import GenerationQuality, check_generation
+from shardlm.objectives import objective_family
 from shardlm.training.build import Run, build
 from shardlm.training.trainer import Trainer
 
@@ -59,7 +60,8 @@ def train(cfg: Config, callbacks: Iterable[object] = (), *, continued: bool = Fa
     if cfg.train.sample_tokens > 0 and trainer.step > 0:
         hf = gather_hf_model(run.model, run.hf_config, run.dist, run.dist.generation_device)
         if hf is not None and describe(run.val):
-            print(sample_answers(hf, run, cfg.train.sample_tokens) or "", flush=True, end="")
+            tokens = objective_family(cfg.train.objective).answer_tokens(cfg)  # online RL: its completions' length
+            print(sample_answers(hf, run, tokens) or "", flush=True, end="")
         elif hf is not None:
             text = generate_text(hf, run.tokenizer, cfg.train.sample_prompt, cfg.train.sample_tokens,
                                  temperature=0.8, top_k=200, seed=cfg.train.seed)[0]

@@ -132,3 +132,10 @@ def test_a_resume_that_changes_the_objective_is_refused_unless_allowed(kto_one, 
                  "checkpoint.allow_changes=true"])
     assert records(run)[-1]["step"] == 7
     assert "allow_changes: false" in (run / "config.yaml").read_text()  # one invocation's permission
+
+
+def test_prepare_says_kto_data_is_derived_by_the_run(kto_file, cache_dir, tmp_path):
+    proc = shardlm_cli(["prepare", f"data.train={kto_file}", f"data.cache_dir={tmp_path}", "train.objective=kto"],
+                       check=False)
+    assert proc.returncode == 2 and "the run derives and renders them once" in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())

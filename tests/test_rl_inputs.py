@@ -192,3 +192,14 @@ def test_sample_lines_are_bounded(tok):
     assert "..." in lines[0] and "exact_match 1.00" in lines[0] and "fmt nan" in lines[0]
     step.round.texts = ["short", "ok"]
     assert "'short'" in RLStep.sample_lines(step)[0]  # type: ignore[arg-type]
+
+
+def test_the_closing_answers_of_an_rl_run_are_as_long_as_its_completions():
+    """A run ends with greedy answers to held-out prompts; online RL's are capped at its completions' length
+    (train.sample_tokens=200 answers ran on past what grpo.max_completion_length=16 trained)."""
+    from shardlm.config import load_config
+    from shardlm.objectives import objective_family
+
+    cfg = load_config(None, ["train.objective=grpo", "grpo.max_completion_length=16"])
+    assert objective_family("grpo").answer_tokens(cfg) == 16
+    assert objective_family("sft").answer_tokens(load_config(None, [])) == 200

@@ -59,6 +59,7 @@ class Spec:
     defaults: dict[str, float] = field(default_factory=dict)  # beyond the dataclass's (TRL's)
     lr: float | None = None  # train.lr for a pretrained model, where it is not fine-tuning's
     section: str | None = None  # its config section: a resume that changes it changes what the run optimizes
+    identified: tuple[str, ...] = ()  # keys of the section a resume checks by identity instead (a teacher's files)
 
 
 # Online RL takes TRL's: GRPOConfig's and RLOOConfig's learning rate (LoRA or not), and RLOOConfig's group and KL
@@ -81,7 +82,7 @@ SPECS: dict[str, Spec] = {
     "rloo": Spec(**_RL, peer="RLOOConfig",  # type: ignore[arg-type]
                  defaults={"grpo.group": 2, "grpo.beta": 0.05, "data.seq_len": RL_SEQ_LEN}),
     "kto": Spec("kto", reads="unpaired", reference=True, peer="KTOConfig", section="preference"),
-    "distill": Spec("distill", check=check_distill, peer="GKDConfig", section="distill",
+    "distill": Spec("distill", check=check_distill, peer="GKDConfig", section="distill", identified=("teacher",),
                     samples=lambda cfg: f"distill.on_policy={cfg.distill.on_policy:g}" if cfg.distill.on_policy > 0
                     else None),
 }
@@ -112,7 +113,8 @@ def changes(saved: Config, cfg: Config) -> list[str]:
     if section is None:
         return []
     before, now = vars(getattr(saved, section)), vars(getattr(cfg, section))
-    return [f"{section}.{k} {before[k]!r} -> {v!r}" for k, v in now.items() if before.get(k) != v]
+    return [f"{section}.{k} {before.get(k)!r} -> {v!r}" for k, v in now.items()
+            if before.get(k) != v and k not in spec(cfg).identified]
 
 
 def names(family: str) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardlm import ShardlmError
 from shardlm.config import Config
 
 
@@ -48,7 +49,12 @@ def prepare(cfg: Config, log=print) -> list[Prepared]:
     from shardlm.data.sources import resolve
     from shardlm.tokenizer import model_tokenizer
 
-    prompts = objectives.spec(cfg).reads == "prompts"  # online RL's, rendered with the generation prompt
+    reads = objectives.spec(cfg).reads
+    if reads == "unpaired":
+        raise ShardlmError(f"shardlm prepare does not prepare train.objective={cfg.train.objective}'s labelled "
+                           "examples yet: the run derives and renders them once, on its first start (or its --dry-run "
+                           "checks them without writing).")
+    prompts = reads == "prompts"  # online RL's, rendered with the generation prompt
     if prompts:
         one_source(cfg.data)
     tokenizer = model_tokenizer(cfg.model)

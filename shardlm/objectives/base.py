@@ -128,6 +128,9 @@ class Objective(Protocol):
     def card_line(cls, cfg: Any) -> str | None: ...  # the model card's objective row (`shardlm export`)
 
     @classmethod
+    def answer_tokens(cls, cfg: Any) -> int: ...  # new tokens of the answers a run shows at its end
+
+    @classmethod
     def count_line(cls, cfg: Any, train: Any, val: Any, steps: int, rows: int) -> str: ...  # the dry run's
 
     @classmethod

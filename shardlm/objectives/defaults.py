@@ -89,6 +89,10 @@ class Defaults:
         return describe_val(result, held_out, cfg.train.eval_batches)
 
     @classmethod
+    def answer_tokens(cls, cfg: Config) -> int:
+        return cfg.train.sample_tokens
+
+    @classmethod
     def card_line(cls, cfg: Config) -> str | None:
         """The model card's "objective" row: what was optimized and its settings (None: the next-token loss)."""
         return None

@@ -114,6 +114,11 @@ class RLStep(Defaults):
         return checks.prompt_lines(cfg, tokenizer, train)
 
     @classmethod
+    def answer_tokens(cls, cfg: Any) -> int:
+        """The closing answers are as long as the run's completions may be, not train.sample_tokens."""
+        return min(cfg.train.sample_tokens, cfg.grpo.max_completion_length)
+
+    @classmethod
     def card_line(cls, cfg: Any) -> str | None:
         g = cfg.grpo
         return (f"{cfg.train.objective} from rewards ({', '.join(g.rewards)}; grpo.group {g.group}, beta {g.beta:g}, "
@@ -133,7 +138,6 @@ class RLStep(Defaults):
         return describe_prompts(result, held_out)
 
     # ---- in the run ----------------------------------------------------------------------------------------------
-
     @classmethod
     def build(cls, loop: Loop) -> RLStep:
         return cls(loop.run, loop.batch, loop.accum, loop.autocast, loop.build_model)
