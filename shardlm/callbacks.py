@@ -52,7 +52,7 @@ class StepResult(TypedDict):
     lr: float
     targets: int  # target tokens of the whole step (every rank): the loss is their mean; pairs for preference
     stats: torch.Tensor | dict[str, float] | None  # preference: this rank's sums of rewards/chosen, ...
-    # (training.preference.STATS); online RL: the step's statistics over every rank (reward, clip_ratio/..., ...)
+    # (the objective's `stats`); online RL and KTO: the step's statistics over every rank (reward, kl, ...)
 
 
 class TrainerView(Protocol):

@@ -139,3 +139,14 @@ def test_prepare_says_kto_data_is_derived_by_the_run(kto_file, cache_dir, tmp_pa
                        check=False)
     assert proc.returncode == 2 and "the run derives and renders them once" in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_the_model_card_says_kto_and_no_perplexity(kto_one, tmp_path):
+    """The exported card names the objective with its settings and gives its loss in its own words (kl and rewards):
+    exp of a KTO loss is no perplexity."""
+    shardlm_cli(["export", str(kto_one), str(tmp_path / "hf")])
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "kto on labelled examples (preference.beta 0.5, kto_loss_type kto" in card
+    losses = [line for line in card.splitlines() if "final train loss" in line or "final validation loss" in line]
+    assert len(losses) == 2 and not any("perplexity" in line for line in losses), losses
+    assert "kl" in losses[1] and "rewards/chosen" in losses[1]

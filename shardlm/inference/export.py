@@ -205,12 +205,20 @@ def _table(rows: list[tuple[str, object]]) -> list[str]:
     return ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))]
 
 
-def _loss(record: dict | None) -> str | None:
+def _perplexity(record: dict | None, cfg) -> bool:
+    """Whether exp of the run's loss is a perplexity: the objective says (a next-token loss); without a config,
+    a preference record's rewards say it is not."""
+    from shardlm.objectives import objective_family
+
+    return objective_family(cfg.train.objective).perplexity if cfg else "rewards/margin" not in (record or {})
+
+
+def _loss(record: dict | None, cfg=None) -> str | None:
     import math
 
     if not record or not isinstance(record.get("loss"), (int, float)):
         return None
-    if "rewards/margin" in record:  # a preference objective's loss: exp of it is no perplexity
+    if not _perplexity(record, cfg):  # a preference, RL or distillation loss: exp of it is no perplexity
         return f"{record['loss']:.4f} at step {record['step']}"
     return f"{record['loss']:.4f} (perplexity {math.exp(min(record['loss'], 700)):.2f}) at step {record['step']}"
 
@@ -230,7 +238,12 @@ def _val_loss(record: dict | None, cfg) -> str | None:
     if record and "pairs" in record:
         words = describe_val(record, record.get("held_out_tokens"), cfg and cfg.train.eval_batches)
         return f"{words.removeprefix('loss ')} at step {record['step']}"
-    loss = _loss(record)
+    if record and cfg and not _perplexity(record, cfg):  # its own words: rewards, kl, exact match, ...
+        from shardlm.objectives import objective_family
+
+        words = objective_family(cfg.train.objective).describe_val(cfg, record, record.get("held_out_tokens") or 0)
+        return f"{words.removeprefix('loss ')} at step {record['step']}"
+    loss = _loss(record, cfg)
     if record is None or loss is None or not isinstance(record.get("tokens"), int):
         return loss
     return f"{loss}, {held_out_words(record['tokens'], record.get('held_out_tokens'), cfg and cfg.train.eval_batches)}"
@@ -273,7 +286,7 @@ def card_rows(model, cfg, facts: dict) -> list[tuple[str, object]]:
              if cfg else None),
             ("steps", facts.get("step")),
             ("tokens seen", f"{train['tokens']:,}" if train and "tokens" in train else None),
-            ("final train loss", _loss(train)), ("final validation loss", _val_loss(val, cfg)),
+            ("final train loss", _loss(train, cfg)), ("final validation loss", _val_loss(val, cfg)),
             ("final validation accuracy", f"{val['accuracy']:.4f}" if val and val.get("accuracy")
              and "pairs" not in val else None)]
     if cfg:

@@ -98,6 +98,7 @@ class Objective(Protocol):
     names: ClassVar[tuple[str, ...]]  # the values of train.objective it trains
     stats: ClassVar[tuple[str, ...]]  # the names of its per-step statistics sums (reported per `count`)
     sampled: ClassVar[bool]  # its records are rates of sampled completions (online RL), not of blocks
+    perplexity: ClassVar[bool]  # exp of its loss is a perplexity (a next-token loss)
 
     # ---- before the run: build and --dry-run alike (shardlm.training.checks) -------------------------------
     @classmethod

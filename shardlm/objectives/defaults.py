@@ -19,6 +19,7 @@ from shardlm.observe.metrics import describe_val
 class Defaults:
     stats: ClassVar[tuple[str, ...]] = ()
     sampled: ClassVar[bool] = False  # its records are rates of sampled completions (online RL), not of blocks
+    perplexity: ClassVar[bool] = True  # exp of its loss is a perplexity (a next-token loss)
 
     # ---- before the run ----------------------------------------------------------------------------------------
     @classmethod

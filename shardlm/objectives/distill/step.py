@@ -67,6 +67,7 @@ class Distill(Defaults):
 
     names: ClassVar[tuple[str, ...]] = specs.names("distill")
     stats: ClassVar[tuple[str, ...]] = RECORDS  # per target
+    perplexity: ClassVar[bool] = False  # a mix of divergence and next-token loss (its records give the student's ppl)
 
     @classmethod
     def check_data(cls, cfg: Config, hf_cfg: Any, train: Any, val: Any) -> None:

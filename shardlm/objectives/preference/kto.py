@@ -185,6 +185,8 @@ class KTO(Preference):
                 data = derived_data(cfg, Path(tmp) / root.name, log=lambda _: None).data
                 return prepare_data(data, tokenizer, None, load) if load else prepare_data(data, tokenizer, None)
         paths = json.loads(dist.run_on_main(lambda: json.dumps(_paths(cfg, root, dist.print))))
+        if not Path(paths[0]).is_file():  # a node that cannot see rank 0's cache derives its own copy
+            paths = _paths(cfg, root, dist.print)
         data = replace(cfg.data, train=paths[0], val=paths[1], format="preference")
         return prepare_data(data, tokenizer, dist)
 

@@ -62,6 +62,7 @@ class Preference(Defaults):
 
     names: ClassVar[tuple[str, ...]] = specs.names("preference")
     stats: ClassVar[tuple[str, ...]] = STATS
+    perplexity: ClassVar[bool] = False
 
     @classmethod
     def build(cls, loop: Loop) -> Preference:

@@ -87,6 +87,7 @@ class RLStep(Defaults):
     names: ClassVar[tuple[str, ...]] = specs.names("rl")
     stats: ClassVar[tuple[str, ...]] = ()  # the step's statistics come reduced over every rank, as a dict
     sampled: ClassVar[bool] = True
+    perplexity: ClassVar[bool] = False
 
     # ---- before the run (shardlm.objectives.rl.checks) -----------------------------------------------------------
     @classmethod
