@@ -8,13 +8,13 @@ objective, the loop free of their names.
 
 The life of an objective in a run:
 
-    family = objective_family(cfg)           # shardlm.objectives: the registry, by train.objective
-    family.check(cfg)                        # its config section (build and --dry-run alike)
-    train, val = family.load_data(cfg, ...)  # what it reads (prompts for online RL, else blocks)
-    family.check_data(cfg, train, val)       # the record kinds it trains on
-    objective = family(loop)                 # in the Trainer: its reference, teacher or sampler
-    objective.micro_steps(loop)              # each step: forward and backward of the micro-batches
-    objective.validate(loop)                 # each evaluation
+    config.objectives.check(cfg)               # its section's checks, at load (the config layer's Spec)
+    family = objective_family(cfg.train.objective)   # shardlm.objectives: the registry
+    train, val = family.load_data(cfg, ...)    # what it reads (build and --dry-run alike)
+    family.check_data(cfg, hf_cfg, train, val) # the record kinds it trains on; count_steps, check_resume
+    objective = family.build(loop)             # in the Trainer: its reference, teacher or sampler
+    objective.micro_steps(loop)                # each step: forward and backward of the micro-batches
+    objective.validate(loop)                   # each evaluation
     objective.state_dict() / load_state_dict(state)   # inside the trainer's state, in every checkpoint
 """
 
@@ -96,7 +96,7 @@ class Objective(Protocol):
     terms, what `eval` and `export` say of it), an instance what lives in it (reference, teacher, sampler)."""
 
     names: ClassVar[tuple[str, ...]]  # the values of train.objective it trains
-    stats: ClassVar[tuple[str, ...]]  # the names of its per-step statistics sums (reported per `count`)
+    stats: ClassVar[tuple[str, ...]]  # names of its statistics' sums, reported divided by the step's count
     sampled: ClassVar[bool]  # its records are rates of sampled completions (online RL), not of blocks
     perplexity: ClassVar[bool]  # exp of its loss is a perplexity (a next-token loss)
 
@@ -119,7 +119,7 @@ class Objective(Protocol):
 
     @classmethod
     def data_line(cls, cfg: Any, train: Any, val: Any, steps: int, rows: int) -> str:
-        """The run header's and the dry run's data line: splits, steps, what a step takes (`rows` per step)."""
+        """The run header's data line: the splits, the steps, what a step takes (`rows` per step)."""
         ...
 
     @classmethod

@@ -4,7 +4,9 @@ The Trainer holds training state and nothing else. Its own state (step, data pos
 out through `state_dict` / `load_state_dict`, like every other part of a checkpoint (torchtitan's
 `Trainer(Stateful)`): the Checkpointer saves a dict of such parts and never looks inside the Trainer. What a
 run reports lives in shardlm.training.reporting, and code of the user's own runs through shardlm.callbacks, so `fit`
-reads like nanoGPT's loop: step -> maybe log -> maybe evaluate -> maybe save.
+reads like nanoGPT's loop: step -> maybe log -> maybe evaluate -> maybe save. What the run optimizes is one
+`Objective` (shardlm.objectives, chosen by train.objective): its micro-steps, validation and state, so the loop
+names no objective.
 """
 
 from __future__ import annotations
