@@ -62,8 +62,10 @@ def test_kto_starts_at_trls_loss_and_learns_its_labels(kto_one):
 
 def test_kto_two_ranks_train_what_one_process_trains(kto_one, kto_file, cache_dir, tmp_path):
     """The reference point is taken over the step (every micro-batch of every rank), so the sharded run's steps
-    are the single process's: 2 ranks x 1 micro-batch of 2 = 1 process x 2 micro-batches of 2."""
-    shardlm_cli(kto_args(kto_file, cache_dir, tmp_path, **{"train.grad_accum": 1}), nproc=2)
+    are the single process's: 2 ranks x 1 micro-batch of 2 = 1 process x 2 micro-batches of 2. The 2 ranks score a
+    live reference (a frozen copy sharded as the policy), the one process the precomputed one: the same values."""
+    shardlm_cli(kto_args(kto_file, cache_dir, tmp_path, **{"train.grad_accum": 1, "preference.reference": "live"}),
+                nproc=2)
     got, want = _train(tmp_path), _train(kto_one)
     for a, b in zip(got, want, strict=True):
         assert (a["loss"], a["grad_norm"], a["kl"]) == pytest.approx((b["loss"], b["grad_norm"], b["kl"]), rel=1e-4,

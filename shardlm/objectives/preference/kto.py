@@ -212,26 +212,31 @@ class KTO(Preference):
             self.labels[key] = torch.from_numpy(labels_of(rows)).to(self.device)
         return self.labels[key][units.to(self.device)]
 
-    def _logps(self, model: Any, batch: Batch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(units, 2) policy and reference log-probabilities of the micro-batch's completions and mismatched ones."""
+    def _logps(self, model: Any, batch: Batch, split: str,
+               ref: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(units, 2) policy and reference log-probabilities of the micro-batch's completions and mismatched ones
+        (`ref`: the reference's, already scored in the step's first pass)."""
         assert batch.segments is not None and batch.units is not None
         n = len(batch.units)
-        ref = self.reference[split][batch.units] if self.reference else self.live_logps(model, batch, 2 * n)
+        if ref is None:
+            ref = self.reference[split][batch.units] if self.reference else self.live_logps(model, batch, 2 * n)
         logps, _ = model.sequence_logps(batch.inputs, batch.targets, batch.positions, batch.segments, 2 * n)
         return logps.view(-1, 2), ref
 
-    def kl_sums(self, model: Any, batch: Batch, split: str, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """[Σ (policy - reference) over the mismatched completions, their count], no gradient."""
+    def kl_sums(self, model: Any, batch: Batch, split: str,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """([Σ (policy - reference) over the mismatched completions, their count], the reference's values), no
+        gradient: the step's second pass reuses the reference's instead of scoring again (a live one is a forward)."""
         with torch.no_grad():
             policy, ref = self._logps(model, batch, split)
         w = torch.ones(len(policy), device=policy.device) if weights is None else weights
-        return torch.stack([((policy[:, 1].double() - ref[:, 1].double()) * w).sum(), w.sum().double()])
+        return torch.stack([((policy[:, 1].double() - ref[:, 1].double()) * w).sum(), w.sum().double()]), ref
 
     def kto(self, model: Any, rows: ExampleRows, batch: Batch, split: str, kl: torch.Tensor,
-            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            weights: torch.Tensor | None = None, ref: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ weighted losses, the STATS' sums but kl) of a micro-batch's units."""
         assert batch.units is not None
-        policy, ref = self._logps(model, batch, split)
+        policy, ref = self._logps(model, batch, split, ref)
         p = self.p
         out = kto_losses(policy[:, 0], ref[:, 0], self._desirable(rows, batch.units), kl, p.beta, p.desirable_weight,
                          p.undesirable_weight, p.kto_loss_type)
@@ -255,9 +260,11 @@ class KTO(Preference):
         share = trainer.batch * trainer.accum / trainer.global_batch  # gradients are averaged over ranks
         batches = [trainer.train_batch(m) for m in range(trainer.accum)]
         kl_sums = torch.zeros(2, dtype=torch.float64, device=trainer.device)
-        for batch in batches if self.p.kto_loss_type == "kto" else ():  # apo_zero_unpaired has no reference point
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        for m, batch in enumerate(batches if self.p.kto_loss_type == "kto" else ()):  # apo_zero_unpaired: no z
             with trainer.autocast():
-                kl_sums += self.kl_sums(trainer.model, batch, "train")
+                sums_m, refs[m] = self.kl_sums(trainer.model, batch, "train")
+            kl_sums += sums_m
         trainer.dist.all_reduce_sum(kl_sums)
         kl = kl_from_sums(kl_sums[0], kl_sums[1].clamp(min=1))
         loss_sum = torch.zeros((), device=trainer.device)
@@ -265,7 +272,7 @@ class KTO(Preference):
         for m, batch in enumerate(batches):
             set_gradient_sync(trainer.model, m == trainer.accum - 1)
             with trainer.autocast():
-                losses, stats = self.kto(trainer.model, rows, batch, "train", kl)
+                losses, stats = self.kto(trainer.model, rows, batch, "train", kl, ref=refs[m])
             loss = losses / (examples * share)
             (trainer.scaler.scale(loss) if trainer.scaler else loss).backward()
             loss_sum += losses.detach()
@@ -305,7 +312,7 @@ class KLScores:
         self.kto = kto
 
     def sums(self, model: Any, batch: Batch, share: Share) -> dict[str, torch.Tensor | float]:
-        total, count = self.kto.kl_sums(model, batch, "val", _weights(share, batch))
+        (total, count), _ = self.kto.kl_sums(model, batch, "val", _weights(share, batch))
         return {"kl_sum": total, "kl_count": count}
 
     def result(self, totals: dict[str, float]) -> dict[str, Any]:
