@@ -143,7 +143,7 @@ def test_estimate_of_a_distill_step_within_15_percent_of_measured(corpus, cache_
     assert est.peak_bytes == pytest.approx(measured, rel=0.15)
 
 
-def test_a_live_teacher_that_transforms_its_logits_is_refused_alike(folder):
+def test_a_live_teacher_that_transforms_its_logits_is_refused_alike(folder, tmp_path):
     """Gemma 2 soft-caps its logits in its own forward, which the chunked loss does not apply: the dry run and the
     run refuse a live teacher of that family with the same line, before the run folder exists; its top-K scores,
     taken from its own logits, are allowed."""
@@ -151,7 +151,8 @@ def test_a_live_teacher_that_transforms_its_logits_is_refused_alike(folder):
 
     from shardlm.tokenizer import byte_tokenizer
 
-    teacher = folder / "gemma2_teacher"
+    (tmp_path / "corpus.txt").write_text((folder / "corpus.txt").read_text())  # a folder with no run of its own
+    folder, teacher = tmp_path, tmp_path / "gemma2_teacher"
     if not teacher.exists():
         torch.manual_seed(0)
         Gemma2ForCausalLM(Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -27,6 +27,19 @@ def check_live_teacher(family: str, transforms: bool) -> None:
                            "teacher of a family without one.")
 
 
+def check_teacher_family(cfg: Config) -> None:
+    """A live teacher's family read from its config (no weights loaded), refused where it transforms its logits;
+    a hub name the Hub cannot give offline is left to the run, which fails on it in one line anyway."""
+    from shardlm.models.instantiate import empty_model
+    from shardlm.objectives.distill.memory import teacher_config_of
+
+    try:
+        hf_cfg = teacher_config_of(cfg)
+    except ShardlmError:  # a teacher that does not load: named when it is built, with the run's own message
+        return
+    check_live_teacher(hf_cfg.model_type, full_logits(empty_model(hf_cfg, "meta")))
+
+
 def teacher_lines(cfg: Config, tokenizer: Any) -> list[str]:
     """train.objective=distill: the teacher found, its tokenizer checked against the student's and its config read
     (parameters counted on `meta`, no weights loaded) by the run's own functions, and the loss's settings."""

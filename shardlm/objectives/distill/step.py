@@ -37,7 +37,12 @@ from shardlm.models.loss import IGNORE
 from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
 from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.distill.memory import distill_memory
-from shardlm.objectives.distill.preflight import check_live_teacher, check_teacher_resume, teacher_lines
+from shardlm.objectives.distill.preflight import (
+    check_live_teacher,
+    check_teacher_family,
+    check_teacher_resume,
+    teacher_lines,
+)
 from shardlm.objectives.distill.samples import on_policy_step, row_keys, step_completions
 from shardlm.objectives.distill.teacher import (
     check_teacher_tokenizer,
@@ -78,6 +83,8 @@ class Distill(Defaults):
             raise ShardlmError(f"distill.on_policy={cfg.distill.on_policy} samples the student's answers to the "
                                "examples' prompts, and data.train was read as text blocks, which have none: give "
                                "examples (prompt/completion or chat records), or set distill.on_policy=0.")
+        if cfg.distill.teacher_topk == 0:  # before a resume's checks, as the dry run's teacher lines come first
+            check_teacher_family(cfg)
 
     @classmethod
     def check_resume(cls, cfg: Config, hf_cfg: Any, train: Any, val: Any, resumed: Any, on_main: Callable) -> None:
