@@ -152,3 +152,18 @@ def test_the_model_card_says_kto_and_no_perplexity(kto_one, tmp_path):
     losses = [line for line in card.splitlines() if "final train loss" in line or "final validation loss" in line]
     assert len(losses) == 2 and not any("perplexity" in line for line in losses), losses
     assert "kl" in losses[1] and "rewards/chosen" in losses[1]
+
+
+def test_a_validation_with_one_label_only_is_described_and_exported(kto_file, cache_dir, tmp_path):
+    """Validation examples of one label have no rewards for the other side (null in metrics.jsonl): the run's
+    line and the exported card say n/a instead of failing on it."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(line + "\n" for line in kto_file.read_text().splitlines()
+                           if json.loads(line)["label"] is False))
+    run = tmp_path / "run"
+    proc = shardlm_cli(kto_args(kto_file, cache_dir, run, **{"data.val": val, "train.max_steps": 2,
+                                                             "train.eval_every": 2}))
+    assert "rewards/chosen n/a" in proc.stdout + proc.stderr
+    assert records(run, "val")[-1]["rewards/chosen"] is None
+    shardlm_cli(["export", str(run), str(tmp_path / "hf")])
+    assert "rewards/chosen n/a" in (tmp_path / "hf" / "README.md").read_text()

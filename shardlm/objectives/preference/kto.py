@@ -199,8 +199,13 @@ class KTO(Preference):
 
     @classmethod
     def describe_val(cls, cfg: Config, result: dict[str, Any], held_out: int) -> str:
-        return (f"loss {result['loss']:.4f} kl {result['kl']:.4f} rewards/chosen {result['rewards/chosen']:.4f} "
-                f"rewards/rejected {result['rewards/rejected']:.4f} on {result['examples']:,} labelled examples")
+        """A side the examples lack has no rewards (NaN in the run, null in metrics.jsonl): said as n/a."""
+        def value(key: str) -> str:
+            v = result.get(key)
+            return "n/a" if v is None or v != v else f"{v:.4f}"
+
+        return (f"loss {value('loss')} kl {value('kl')} rewards/chosen {value('rewards/chosen')} rewards/rejected "
+                f"{value('rewards/rejected')} on {result.get('examples', 0):,} labelled examples")
 
     def __init__(self, cfg: Config, device: torch.device, build_model: Any = None):
         super().__init__(cfg, device, build_model)
