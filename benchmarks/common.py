@@ -1,5 +1,7 @@
 """What the benchmark scripts share. Each script imports only this module and shardlm, never another script: one
-script uses another by running it (`python benchmarks/NAME.py ...`) and reading the JSON it prints.
+script uses another by running it (`python benchmarks/NAME.py ...`) and reading the JSON it prints. The one
+exception is a demo that extends another demo's flow: kto_demo.py and kto_labels.py reuse dpo_demo.py's and
+dpo_pairs.py's functions (their runs, exact match, sampling and scoring), which stay where the DPO demo defines them.
 
 A script runs as `python benchmarks/NAME.py` (or under torchrun), which puts this folder first on sys.path, so
 `from common import ...` finds this file. Tests that test a script load it by its path (tests/test_gpu_check.py).
