@@ -9,11 +9,18 @@ from typing import Any, ClassVar
 
 from shardlm import ShardlmError
 from shardlm.config import Config
-from shardlm.data import ExampleRows, TokenBlocks, describe, prepare_data
+from shardlm.data import ExampleRows, TokenBlocks, describe, load_split, prepare_data
 from shardlm.data.blocks import counted
 from shardlm.models.hf_config import check_packing
 from shardlm.objectives.base import Footprint, Loop, MemoryTerms
 from shardlm.observe.metrics import describe_val
+
+
+def check_packs(cfg: Config, hf_cfg: Any, train: Any) -> None:
+    """Examples packed into rows only where the model's family keeps packed examples apart (`hf_cfg` None: a dry
+    run whose model config could not be read)."""
+    if hf_cfg is not None:
+        check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
 
 
 class Defaults:
@@ -24,13 +31,12 @@ class Defaults:
     # ---- before the run ----------------------------------------------------------------------------------------
     @classmethod
     def load_data(cls, cfg: Config, tokenizer: Any, dist: Any, load: Callable | None = None) -> tuple[Any, Any]:
-        return prepare_data(cfg.data, tokenizer, dist, load) if load else prepare_data(cfg.data, tokenizer, dist)
+        return prepare_data(cfg.data, tokenizer, dist, load or load_split)
 
     @classmethod
     def check_data(cls, cfg: Config, hf_cfg: Any, train: Any, val: Any) -> None:
         """Packing where the model's family allows it; pairs are a preference objective's alone."""
-        if hf_cfg is not None:
-            check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
+        check_packs(cfg, hf_cfg, train)
         if any(isinstance(b, ExampleRows) and b.group == 2 for b in (train, val)):
             raise ShardlmError(f"the data holds preference pairs (chosen/rejected), which train.objective="
                                f"{cfg.train.objective} does not train on: set train.objective to dpo, ipo, simpo "

@@ -32,7 +32,7 @@ import torch
 from shardlm import ShardlmError
 from shardlm.config import Config
 from shardlm.config import objectives as specs
-from shardlm.data import Batch, ExampleRows, prepare_data
+from shardlm.data import Batch, ExampleRows, load_split, prepare_data
 from shardlm.data.cache import cache_root
 from shardlm.data.formats import BadExample, to_pair
 from shardlm.data.records import iter_records
@@ -183,7 +183,7 @@ class KTO(Preference):
         if dist is None:  # the dry run: derived and rendered in memory, nothing written that stays
             with tempfile.TemporaryDirectory(prefix="shardlm-dry-") as tmp:
                 data = derived_data(cfg, Path(tmp) / root.name, log=lambda _: None).data
-                return prepare_data(data, tokenizer, None, load) if load else prepare_data(data, tokenizer, None)
+                return prepare_data(data, tokenizer, None, load or load_split)
         paths = json.loads(dist.run_on_main(lambda: json.dumps(_paths(cfg, root, dist.print))))
         if not Path(paths[0]).is_file():  # a node that cannot see rank 0's cache derives its own copy
             paths = _paths(cfg, root, dist.print)
@@ -242,11 +242,11 @@ class KTO(Preference):
         """(Σ weighted losses, the STATS' sums but kl) of a micro-batch's units."""
         assert batch.units is not None
         policy, ref = self._logps(model, batch, split, ref)
-        p = self.p
-        out = kto_losses(policy[:, 0], ref[:, 0], self._desirable(rows, batch.units), kl, p.beta, p.desirable_weight,
-                         p.undesirable_weight, p.kto_loss_type)
+        p, desirable = self.p, self._desirable(rows, batch.units)
+        out = kto_losses(policy[:, 0], ref[:, 0], desirable, kl, p.beta, p.desirable_weight, p.undesirable_weight,
+                         p.kto_loss_type)
         w = torch.ones(len(policy), device=policy.device) if weights is None else weights
-        d = self._desirable(rows, batch.units).to(w.dtype) * w
+        d = desirable.to(w.dtype) * w
         u = w - d
         r, lp = out.rewards.double(), policy[:, 0].detach().double()
         stats = torch.stack([(r * d).sum(), (r * u).sum(), (lp * d).sum(), (lp * u).sum(), d.sum().double(),

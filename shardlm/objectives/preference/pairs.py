@@ -32,13 +32,12 @@ import numpy as np
 import torch
 
 from shardlm.config import objectives as specs
-from shardlm.data import Batch, ExampleRows, describe
+from shardlm.data import Batch, ExampleRows
 from shardlm.distributed import context
 from shardlm.distributed.parallelize import reshard, set_gradient_sync
 from shardlm.models import lora
-from shardlm.models.hf_config import check_packing
 from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
-from shardlm.objectives.defaults import Defaults
+from shardlm.objectives.defaults import Defaults, check_packs
 from shardlm.objectives.preference.losses import REFERENCE_FREE, pair_losses
 from shardlm.objectives.preference.reference import (
     ReferenceSource,
@@ -71,8 +70,7 @@ class Preference(Defaults):
     @classmethod
     def check_data(cls, cfg: Config, hf_cfg: Any, train: Any, val: Any) -> None:
         """Pairs in both splits, packed where the model's family allows it."""
-        if hf_cfg is not None:
-            check_packing(hf_cfg, cfg.data.packing and bool(describe(train)))
+        check_packs(cfg, hf_cfg, train)
         pair_rows(train, "training")
         pair_rows(val, "validation")
 
