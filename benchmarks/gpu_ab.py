@@ -23,6 +23,11 @@ The variants (GPT-2 124M, seq 1024, micro-batch 32, vocabulary padded to 64, com
   xl_bf16_blocks  xl_bf16 with parallel.compile=blocks: what whole-model fusion is worth at XL
   hf              HF Trainer (torch_compile, SDPA, the same padding, batch and data): its tokens/s
   b64             micro-batch 64 with today's defaults (train.loss_chunk_size null: the plain compiled loss)
+  fsdp1_b16       fsdp1 at half the micro-batch (16), with a profile: the host-bound case
+  llama_bf16      a Llama-3-8B-shaped body of --large-layers blocks (width 4096, 32 heads, 8 key/value heads, MLP
+                  14336), random weights, GPT-2 BPE, parallel.compile=blocks, micro-batch --large-batch: where fp8's
+                  matmuls are large enough to pay (torchtitan measures +28% at 8B)
+  llama_fp8       the same in fp8
 Before the list: the device, driver, CUDA, cuDNN, torch and transformers versions as the first line.
 """
 
@@ -51,6 +56,8 @@ def variants(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         return [*launch, str(BENCH / "mfu.py"), "--sizes", size, "--batch", str(batch), *common,
                 *(["--profile", str(profile)] if profile else []), *[f"--extra={e}" for e in extra]]
 
+    llama = [*NEW, "model.arch=llama", f"model.n_kv_head={a.large_kv}", f"model.intermediate_size={a.large_mlp}",
+             "parallel.compile=blocks"]
     hf = [str(BENCH / "vs_hf_trainer.py"), "--side", "hf", "--model", ",".join(map(str, dims(a.size))), "--seq",
           str(a.seq), "--batch", str(a.batch), "--precision", a.precision, "--steps", str(a.steps + a.warmup),
           "--warmup", str(a.warmup), "--data", "shakespeare", "--vocab-multiple", "64",
@@ -72,6 +79,9 @@ def variants(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("xl_bf16_blocks", mfu(a.xl, a.xl_batch, [*NEW, "parallel.compile=blocks"])),
         ("hf", hf),
         ("b64", mfu(a.size, 2 * a.batch, NEW)),
+        ("fsdp1_b16", mfu(a.size, a.batch // 2, [*NEW, "parallel.fsdp=true"], profile=3, torchrun=True)),
+        ("llama_bf16", mfu(a.large, a.large_batch, llama)),
+        ("llama_fp8", mfu(a.large, a.large_batch, llama) + ["--precision", "fp8"]),
     ]
 
 
@@ -131,6 +141,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--xl-batch", type=int, default=8)
+    p.add_argument("--large", default="8x32x4096", help="llama_*: LxHxC of the Llama-shaped model")
+    p.add_argument("--large-kv", type=int, default=8)
+    p.add_argument("--large-mlp", type=int, default=14336)
+    p.add_argument("--large-batch", type=int, default=8)
     p.add_argument("--precision", default="bf16")
     p.add_argument("--compile", default="model")
     p.add_argument("--steps", type=int, default=20)
