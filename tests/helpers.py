@@ -84,12 +84,13 @@ def forked(cmd: list[str], args: list[str], env: dict[str, str], timeout: float,
            ) -> subprocess.CompletedProcess | None:
     """`python -m shardlm ARGS` forked from a process that has imported torch and transformers already
     (tests/zygote.py, one per import-time environment: what OpenMP and the hub read when they load), or None where
-    it must be a real process (SHARDLM_TEST_FORK=0)."""
+    it must be a real process: with SHARDLM_TEST_FORK=0, and in a test on CUDA (a child forked from a process whose
+    torch has asked for the GPU cannot start CUDA: "Cannot re-initialize CUDA in forked subprocess")."""
     import tempfile
 
     from zygote import import_time_env
 
-    if os.environ.get("SHARDLM_TEST_FORK", "1") == "0":
+    if os.environ.get("SHARDLM_TEST_FORK", "1") == "0" or on_cuda():
         return None
     key = tuple(sorted(import_time_env(env).items()))
     if key not in _zygotes or _zygotes[key].poll() is not None:

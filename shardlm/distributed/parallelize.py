@@ -114,7 +114,8 @@ def one_rank_per_node_note(cfg: Config, device: torch.device, use_fsdp: bool, wo
     """Full sharding frees each block's gathered weights after its forward and gathers them again for its
     backward. With one rank per node that second gather is a copy (one rank) or crosses the network (one GPU
     per node) for a saving of one block's weights: measured on an H200 (GPT-2 124M, batch 32, compiled, one
-    rank), full ran at 0.82x one process's tokens/s and grad_op at 0.95x."""
+    rank), full ran at 0.82x one process's tokens/s and grad_op at 0.95x (on another H200 later, full 0.94x at
+    batch 32 and 0.49x at 16: host-bound, docs/distributed.md)."""
     if not (use_fsdp and device.type == "cuda" and cfg.parallel.sharding == "full"
             and (world_size == 1 or local_world_size == 1)):
         return None
