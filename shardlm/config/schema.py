@@ -153,6 +153,16 @@ class GrpoConfig:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length are left out of the loss
     format_pattern: str | None = None  # reward `format`: a regex the whole trimmed completion must match
     length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
+    use_vllm: bool = False  # completions from vLLM (pip install shardlm[vllm]) instead of the built-in sampler
+    vllm_mode: str = "colocate"  # colocate: an engine inside each trainer process (server: not built yet)
+    vllm_gpu_memory_utilization: float = 0.3  # colocate on a GPU: the engine's share of its memory (TRL's default)
+    vllm_enable_sleep_mode: bool = False  # colocate: the engine frees its weights and cache while the step trains
+    vllm_max_model_length: int | None = None  # the engine's context; null = data.seq_len
+    weight_sync_steps: int = 1  # optimizer steps between pushes of the policy's weights into the engine
+    vllm_importance_sampling_correction: bool = True  # grpo: weigh the loss by trainer/sampler likelihood ratios
+    vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | ..._mask
+    vllm_importance_sampling_clip_max: float | None = 3.0  # truncate: the ratio's cap; mask: ratios above it weigh 0
+    vllm_importance_sampling_clip_min: float | None = None  # the lower bound alike; null = none
 
 
 @dataclass

@@ -25,6 +25,7 @@ With μ = 1 the old log-probabilities are the current ones detached: ρ = 1 in v
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -104,9 +105,10 @@ class TokenLoss(NamedTuple):
 def token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor,
                epsilon: float = 0.2, epsilon_high: float | None = None, beta: float = 0.0,
                ref_logps: torch.Tensor | None = None, delta: float | None = None,
-               level: str = "token") -> TokenLoss:
+               level: str = "token", sampling_weights: torch.Tensor | None = None) -> TokenLoss:
     """The clipped surrogate per completion token (TRL's `_compute_loss` before its reduction). `old_logps` None:
-    μ = 1, the current log-probabilities detached."""
+    μ = 1, the current log-probabilities detached. `sampling_weights` (`sampling_correction`'s) multiply the
+    surrogate, not the KL term, as TRL's vLLM importance-sampling correction does."""
     old = logps.detach() if old_logps is None else old_logps
     log_ratio = logps - old
     if level == "sequence":
@@ -119,6 +121,8 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: 
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
     a = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     per_token = -torch.min(unclipped * a, clipped * a)
+    if sampling_weights is not None:
+        per_token = per_token * sampling_weights
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -126,6 +130,24 @@ def token_loss(logps: torch.Tensor, old_logps: torch.Tensor | None, advantages: 
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         per_token = per_token + beta * kl
     return TokenLoss(per_token, ratio, kl)
+
+
+def sampling_correction(old_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                        clip_min: float | None, clip_max: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's `vllm_importance_sampling_correction`: the trainer's likelihood of each sampled token (at sampling
+    time) over the sampler's, per token (B, T) or per completion (B, 1, the product over its tokens), truncated into
+    [clip_min, clip_max] or set to 0 outside it (`mode`). The sampler is another implementation of the policy (an
+    inference engine, a KV-cache decode in bf16), so its tokens come from a slightly different distribution.
+    Also the per-token |difference| of the two log-probabilities (B, T), what `sampling_logp_difference` reports."""
+    diff = torch.nan_to_num((old_logps - sampling_logps) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio, diff.abs()
 
 
 def step_loss(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, completions: float, tokens: float,

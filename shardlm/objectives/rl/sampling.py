@@ -51,7 +51,7 @@ class Rollout:
     completions: list[list[int]]  # each ends with its stop token, unless truncated
     truncated: list[bool]  # cut at max_tokens without a stop token
     group: int
-    logps: list[list[float]] = field(default_factory=list)  # the sampler's own log-probabilities, where it has them
+    logps: list[list[float]] = field(default_factory=list)  # each completion token's, from the sampler (`draw`)
 
     def prompt_of(self, row: int) -> list[int]:
         return self.prompts[row // self.group]
@@ -94,8 +94,17 @@ def pick(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k
     """One token per row of `logits` (rows, vocab): the row's `uniforms` value inverts its distribution after
     temperature, top-k and top-p (transformers' rules: top-p keeps the likeliest tokens until their mass reaches
     top_p); temperature 0 is the argmax."""
+    return draw(logits, uniforms, temperature, top_k, top_p)[0]
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k: int, top_p: float
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pick`'s tokens and each one's log-probability under the distribution it was drawn from (after temperature,
+    top-k and top-p, renormalized: vLLM's `processed_logprobs`, what TRL's importance-sampling correction compares
+    with the trainer's); 0 for greedy tokens."""
     if temperature <= 0:
-        return logits.argmax(-1)
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     logits = logits.float() / temperature
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
@@ -109,7 +118,9 @@ def pick(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_k
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     cdf = probs.cumsum(-1)
     target = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=vocab - 1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=vocab - 1)
+    logps = (probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) / cdf[:, -1]).log()
+    return tokens, logps
 
 
 class TransformersSampler:
@@ -134,15 +145,17 @@ class TransformersSampler:
             with gathered(self.root if self.root is not None else self.model):
                 for first in range(0, len(prompts), per_chunk):
                     chunk = out.prompts[first:first + per_chunk]
-                    completions = self._decode(chunk, keys[first:first + per_chunk], params)
+                    completions, logps = self._decode(chunk, keys[first:first + per_chunk], params)
                     out.completions += completions
+                    out.logps += logps
         finally:
             self.model.train(training)
         stop = set(params.stop)
         out.truncated = [not c or c[-1] not in stop for c in out.completions]
         return out
 
-    def _decode(self, prompts: list[list[int]], keys: Sequence[int], p: SamplingParams) -> list[list[int]]:
+    def _decode(self, prompts: list[list[int]], keys: Sequence[int], p: SamplingParams
+                ) -> tuple[list[list[int]], list[list[float]]]:
         device = next(self.model.parameters()).device
         gens = [torch.Generator().manual_seed(row_seed(p.seed, k, j)) for k in keys for j in range(p.group)]
         width = max(map(len, prompts))
@@ -158,12 +171,14 @@ class TransformersSampler:
         position = positions[:, -1:].repeat_interleave(p.group, dim=0)
         rows = list(range(len(gens)))  # the rows still running, in cache order
         new: list[list[int]] = [[] for _ in gens]
+        new_logps: list[list[float]] = [[] for _ in gens]
         stop = torch.tensor(list(p.stop) or [-1], device=device)
         for step in range(p.max_tokens):
             uniforms = torch.tensor([torch.rand((), generator=gens[r]).item() for r in rows])
-            tokens = pick(logits[:, :self.vocab], uniforms, p.temperature, p.top_k, p.top_p)
-            for r, t in zip(rows, tokens.tolist(), strict=True):
+            tokens, logps = draw(logits[:, :self.vocab], uniforms, p.temperature, p.top_k, p.top_p)
+            for r, t, lp in zip(rows, tokens.tolist(), logps.tolist(), strict=True):
                 new[r].append(t)
+                new_logps[r].append(lp)
             running = ~torch.isin(tokens, stop)
             if step == p.max_tokens - 1 or not running.any():
                 break
@@ -177,4 +192,4 @@ class TransformersSampler:
             step_out = model(input_ids=tokens.unsqueeze(1), attention_mask=mask, position_ids=position,
                              use_cache=True, **{self.cache_name: cache})
             logits = step_out.logits[:, -1]
-        return new
+        return new, new_logps

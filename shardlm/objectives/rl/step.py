@@ -40,8 +40,17 @@ from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
 from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.preference.reference import frozen_reference
 from shardlm.objectives.rl import checks, memory
+from shardlm.objectives.rl.engine import VLLMSampler
 from shardlm.objectives.rl.logps import micro_batch, shared_batch, shared_pays
-from shardlm.objectives.rl.loss import clip_counts, rloo_advantages, rloo_loss, step_loss, token_loss, weighted_rewards
+from shardlm.objectives.rl.loss import (
+    clip_counts,
+    rloo_advantages,
+    rloo_loss,
+    sampling_correction,
+    step_loss,
+    token_loss,
+    weighted_rewards,
+)
 from shardlm.objectives.rl.rewards import exact_match
 from shardlm.objectives.rl.rollout import ScoredRound, round_metrics, sampling_params, score_round
 from shardlm.objectives.rl.sampling import Sampler, TransformersSampler
@@ -69,6 +78,8 @@ class MicroBatch:
     old: torch.Tensor | None = None  # (rows, T) the policy's at sampling time (μ > 1, rloo with β > 0)
     ref: torch.Tensor | None = None  # (rows, T) the reference's (β > 0)
     attention: torch.Tensor | None = None  # shared_batch's 4D mask: rows hold a prompt and its completions
+    sampling: torch.Tensor | None = None  # (rows, T) the sampler's own (its importance-sampling correction)
+    weights: torch.Tensor | None = None  # that correction's ratios, (rows, T) or (rows, 1), once computed
 
 
 @dataclass
@@ -156,9 +167,16 @@ class RLStep(Defaults):
         self.per_step = self.per_rank * self.world
         self.rewards = load_rewards(g, prompt_split(run.train, "training").field_names)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
-        # The one attribute a colocated inference engine (vLLM) would replace: token ids in, token ids out
+        # token ids in, token ids (and their log-probabilities) out: shardlm's own decode, or a vLLM engine
+        self.engine: VLLMSampler | None = None
         self.sampler: Sampler = TransformersSampler(run.model.hf, self.pad, root=run.model,
                                                     max_rows=max(batch * accum, g.group), vocab=run.model.vocab)
+        if g.use_vllm:
+            self.engine = VLLMSampler(run.model, g, g.vllm_max_model_length or cfg.data.seq_len,
+                                      cfg.parallel.precision, cfg.train.seed, run.dist.device, run.model.vocab,
+                                      rows=max(batch * accum, g.group, batch * cfg.train.eval_batches))
+            self.sampler = self.engine
+        self.since_sync = 0  # optimizer steps since the engine took the policy's weights
         stop = [t for t in (end_of_turn_id(self.tok), self.tok.eos_token_id) if t is not None]
         self.params = sampling_params(g, stop, cfg.train.seed)
         self.round: Round | None = None
@@ -229,7 +247,8 @@ class RLStep(Defaults):
                                                                   self.pad, device)
             mask = lengths.float() * scored.loss_mask[span.start:span.stop, None].to(device)
             micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
-                                    scored.scored.advantages[span.start:span.stop].to(device), attention=attention))
+                                    scored.scored.advantages[span.start:span.stop].to(device), attention=attention,
+                                    sampling=self._sampling_logps(r, span, lengths)))
         sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
                                 float(sum(mb.mask.sum().item() for mb in micro))], dtype=torch.float64)
         self.all_reduce(sampled)
@@ -238,6 +257,35 @@ class RLStep(Defaults):
         out = Round(scored, micro, float(sampled[1].item()), metrics, texts=scored.texts)
         self._score_before_training(out)
         return out
+
+    def _sampling_logps(self, r: Any, span: range, lengths: torch.Tensor) -> torch.Tensor | None:
+        """The sampler's log-probabilities of the span's completion tokens on the micro-batch's (rows, T) layout,
+        where the correction is on (grpo) and the sampler gave them."""
+        if not (self.g.vllm_importance_sampling_correction and self.objective == "grpo" and r.logps):
+            return None
+        flat = torch.tensor([x for i in span for x in r.logps[i]], dtype=torch.float32, device=lengths.device)
+        return torch.zeros(lengths.shape, device=lengths.device).masked_scatter(lengths, flat)
+
+    def _correction(self, mb: MicroBatch, logps: torch.Tensor, sums: torch.Tensor, highs: torch.Tensor) -> None:
+        """The micro-batch's importance-sampling ratios against the policy at sampling time (the old log-probs,
+        or at μ = 1 the current ones: no optimizer step lies between), computed once per round, and their
+        statistics added to `sums` (|difference| sum and count, ratio sum and count) and `highs` (maxima of the
+        |difference| and the ratio, and of minus the ratio)."""
+        if mb.sampling is None:
+            return
+        g, fresh = self.g, mb.weights is None
+        old = mb.old if mb.old is not None else logps.detach()
+        weights, diff = sampling_correction(old.float(), mb.sampling, mb.lengths.float(),
+                                            g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min,
+                                            g.vllm_importance_sampling_clip_max)
+        if fresh:
+            mb.weights = weights
+        ratios = weights.flatten() if weights.shape[-1] == 1 else weights[mb.lengths]
+        tokens = diff[mb.lengths]
+        sums += torch.stack([tokens.sum(), torch.tensor(float(tokens.numel()), device=sums.device),
+                             ratios.sum(), torch.tensor(float(ratios.numel()), device=sums.device)]).double()
+        if ratios.numel():
+            highs.copy_(torch.maximum(highs, torch.stack([tokens.max(), ratios.max(), -ratios.min()]).double()))
 
     @torch.no_grad()
     def _score_before_training(self, r: Round) -> None:
@@ -282,30 +330,44 @@ class RLStep(Defaults):
         reshard(self.frozen)
         return logps
 
+    def sync_engine(self, every: int) -> None:
+        """The engine takes the policy's weights when it never has (a new or resumed run: it starts with dummy
+        ones) or `every` optimizer steps have passed since it last did."""
+        if self.engine is not None and (self.engine.syncs == 0 or self.since_sync >= every):
+            self.engine.sync()
+            self.since_sync = 0
+
     # ---- a step -------------------------------------------------------------------------------------------------
     def micro_steps(self, loop: Loop) -> StepOut:
         """A step's forwards and backwards: (1, this rank's share of the step's loss, the step's statistics over
         every rank), on the prompts of the data order (`loop.sampler`) from `loop.position` on."""
         self.taken = 0
         if self.cycle_done():
+            self.sync_engine(self.g.weight_sync_steps)
             self.round = self._new_round(loop.sampler.indices(loop.position, self.per_step), loop.position)
             self.taken = self.per_step
+        self.since_sync += 1  # the optimizer step that follows
         r = self.round
         assert r is not None
         g = self.g
         completions, tokens = self.batch * self.accum, r.tokens / self.world  # this rank's share of the step's
         loss_sum = torch.zeros((), device=self.dist.device)
         sums = torch.zeros(6, dtype=torch.float64, device=self.dist.device)  # low, high, counted, kl, entropy, tokens
+        fresh = self.taken > 0
+        is_sums = torch.zeros(4, dtype=torch.float64, device=self.dist.device)
+        is_highs = torch.full((3,), -math.inf, dtype=torch.float64, device=self.dist.device)
         for m, mb in enumerate(r.micro):
             set_gradient_sync(self.model, m == self.accum - 1)
             logps, entropy = self._logps(self.model, mb, with_entropy=True)
+            if fresh:
+                self._correction(mb, logps, is_sums, is_highs)
             if self.objective == "rloo":
                 old = None if mb.old is None else (mb.old * mb.lengths).sum(1)
                 loss, ratio = rloo_loss(logps, old, mb.advantages, mb.mask, completions, g.epsilon, g.epsilon_high)
                 ratio, kl = ratio.unsqueeze(1), None
             else:
                 parts = token_loss(logps, mb.old, mb.advantages, mb.mask, g.epsilon, g.epsilon_high, g.beta, mb.ref,
-                                   g.delta, g.importance_sampling_level)
+                                   g.delta, g.importance_sampling_level, mb.weights)
                 loss = step_loss(parts.per_token, mb.mask, g.loss_type, completions, tokens, g.max_completion_length)
                 ratio, kl = parts.ratio, parts.kl
             loss.backward()
@@ -316,7 +378,21 @@ class RLStep(Defaults):
                                  (kl.detach() * mb.mask).sum() if kl is not None else counted * 0,
                                  (entropy * mb.mask).sum() if entropy is not None else counted * 0, counted]).double()
         r.used += 1
-        return 1, loss_sum, self._step_stats(sums, r, fresh=self.taken > 0)
+        stats = self._step_stats(sums, r, fresh=fresh)
+        if fresh and r.micro and r.micro[0].sampling is not None:
+            stats |= self._correction_stats(is_sums, is_highs)
+        return 1, loss_sum, stats
+
+    def _correction_stats(self, sums: torch.Tensor, highs: torch.Tensor) -> dict[str, float]:
+        """TRL's names: the sampler/trainer log-probability difference and the importance-sampling ratios."""
+        self.all_reduce(sums)
+        self.all_reduce(highs, "max")
+        diff, tokens, ratio, count = sums.tolist()
+        return {"sampling/sampling_logp_difference/mean": diff / max(tokens, 1),
+                "sampling/sampling_logp_difference/max": max(highs[0].item(), 0.0),
+                "sampling/importance_sampling_ratio/min": -highs[2].item() if count else 0.0,
+                "sampling/importance_sampling_ratio/mean": ratio / count if count else 0.0,
+                "sampling/importance_sampling_ratio/max": highs[1].item() if count else 0.0}
 
     def _step_stats(self, sums: torch.Tensor, r: Round, fresh: bool) -> dict[str, float]:
         self.all_reduce(sums)
@@ -355,6 +431,7 @@ class RLStep(Defaults):
 
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self, loop: Loop) -> dict[str, Any]:
+        self.sync_engine(1)  # the policy as it is now, whatever grpo.weight_sync_steps
         return self.validate_prompts(loop.run.val, loop.run.cfg.train.eval_batches)
 
     @torch.no_grad()

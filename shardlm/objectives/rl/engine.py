@@ -1,0 +1,142 @@
+"""vLLM as online RL's `Sampler` (`grpo.use_vllm`, `vllm_mode: colocate`): an engine inside each trainer process
+generates the completions, and the policy's weights are pushed into it after every `grpo.weight_sync_steps`
+optimizer steps.
+
+Token ids in, token ids and their log-probabilities out: the engine is given the prompts' ids (it never sees
+text) and returns the sampled ids with their `processed_logprobs` (after temperature, top-k and top-p), which the
+importance-sampling correction compares with the trainer's. Each completion is its own request, seeded from
+(seed, the prompt's key, its index) as the built-in sampler's rows are, so a completion does not depend on the
+rank that samples it or on the batch around it; vLLM's per-request generators make that hold on one engine, and
+across engines where the rows' logits come out bit-equal (this is what the 2-ranks test checks on CPU).
+
+The engine starts from the model's config with dummy weights and takes the real ones from the first sync.
+A sync reloads the weights in place (vLLM's `reload_weights`, which reruns the backend's post-load processing:
+the CPU backend repacks its linear weights, so TRL's `load_weights` call does not work there), under the
+transformers names the export writes, then resets the prefix cache, whose entries were computed by the old
+weights. Under FSDP2 each tensor is gathered (`full_tensor`) and handed over as it comes, so a rank holds the
+engine's copy and one tensor more; with LoRA the adapters are folded into a full state first (each rank holds the
+model once more for the length of a sync), as the exports fold them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from shardlm import ShardlmError
+from shardlm.config.grpo import require_vllm
+from shardlm.objectives.rl.sampling import Rollout, SamplingParams, row_seed
+
+
+def engine_dtype(precision: str) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
+
+
+class VLLMSampler:
+    """`Sampler` on a vLLM engine in this process. `model` is the trainer's CausalLM (sharded or not), `vocab`
+    the tokenizer's ids (a padded head's extra ids are never drawn)."""
+
+    def __init__(self, model: Any, g: Any, max_model_len: int, precision: str, seed: int, device: torch.device,
+                 vocab: int | None = None, rows: int = 64):
+        require_vllm()
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
+        from vllm import LLM
+
+        self.model, self.vocab, self.syncs = model, vocab, 0
+        self.folder = tempfile.mkdtemp(prefix="shardlm-vllm-")
+        config = model.hf.config
+        config.save_pretrained(self.folder)
+        extra: dict[str, Any] = {}
+        if device.type == "cuda":
+            extra |= {"gpu_memory_utilization": g.vllm_gpu_memory_utilization,
+                      "enable_sleep_mode": g.vllm_enable_sleep_mode}
+        else:  # vLLM's CPU backend would take 90% of the host's memory for its KV cache: what a round needs
+            extra["kv_cache_memory_bytes"] = kv_cache_bytes(config, max_model_len, rows, precision)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            extra["distributed_executor_backend"] = "external_launcher"  # TRL's colocate: one engine per rank
+        try:
+            self.llm = LLM(model=self.folder, skip_tokenizer_init=True, load_format="dummy",
+                           dtype=engine_dtype(precision), max_model_len=max_model_len, seed=seed,
+                           logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                           enforce_eager=device.type != "cuda", **extra)
+        except Exception as e:  # vLLM's own message, named as the engine's: the model may be one it cannot run
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise ShardlmError(f"vLLM could not start an engine for this model ({type(config).__name__}, "
+                               f"{config.model_type}): {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
+                               "Set grpo.use_vllm=false to sample with shardlm's own sampler.") from e
+        self.sync()
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Push the policy's current weights into the engine; every rank calls it (the gathers are collective)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model)})
+        self.llm.reset_prefix_cache()
+        self.syncs += 1
+
+    # ---- sampling --------------------------------------------------------------------------------------------
+    def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+
+        allowed = None
+        if self.vocab is not None and self.vocab < self.model.hf.config.vocab_size:
+            allowed = list(range(self.vocab))
+        requests, settings = [], []
+        for p, key in zip(prompts, keys, strict=True):
+            for j in range(params.group):
+                requests.append(TokensPrompt(prompt_token_ids=list(p)))
+                settings.append(VParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                                        top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
+                                        seed=row_seed(params.seed, key, j), stop_token_ids=list(params.stop),
+                                        logprobs=0, detokenize=False, allowed_token_ids=allowed))
+        outputs = self.llm.generate(requests, settings, use_tqdm=False) if requests else []
+        out = Rollout([list(p) for p in prompts], [], [], params.group)
+        stop = set(params.stop)
+        for o in outputs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            out.completions.append(ids)
+            out.logps.append([float(d[t].logprob) if d and t in d else float("nan")
+                              for t, d in zip(ids, c.logprobs or [None] * len(ids), strict=True)])
+        out.truncated = [not c or c[-1] not in stop for c in out.completions]
+        return out
+
+
+def kv_cache_bytes(config: Any, max_model_len: int, rows: int, precision: str) -> int:
+    """Room for `rows` sequences of `max_model_len` tokens (twice over, for the engine's block rounding), at
+    least 64 MiB."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * (4 if engine_dtype(precision) == "float32" else 2)
+    return max(64 << 20, 2 * per_token * max_model_len * max(rows, 1))
+
+
+def policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the transformers names (the export's), one tensor at a time: each FSDP2 shard
+    gathered where it is needed; with LoRA, the adapters folded into their base weights first."""
+    from torch.distributed.tensor import DTensor
+
+    from shardlm.models import lora
+    from shardlm.models.fp8 import plain_state_dict
+    from shardlm.models.state_keys import is_hf, to_hf
+
+    state = model.state_dict()
+    if any(lora.is_adapter_key(k) for k in state):
+        full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        merged = lora.inference_state(plain_state_dict(full), model, model.hf.config)
+        yield from ((k, v.detach()) for k, v in to_hf(merged).items())
+        return
+    for key, value in state.items():
+        if not is_hf(key):
+            continue
+        tensor = value.full_tensor() if isinstance(value, DTensor) else value
+        (name, plain), = to_hf(plain_state_dict({key: tensor})).items()
+        yield name, plain.detach()
