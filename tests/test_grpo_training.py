@@ -164,6 +164,9 @@ def test_two_ranks_train_what_one_process_trains(uninterrupted, rl_data, cache_d
     assert len(got) == len(want) == 4
     assert want[0]["kl"] == pytest.approx(0, abs=1e-7) and want[0]["clip_ratio/region_mean"] == 0
     assert want[1]["kl"] > 0 and want[1]["clip_ratio/region_mean"] > 0
+    # shardlm's own sampler gives its log-probabilities: in fp32 they are the trainer's, the correction weighs ~1
+    assert want[0]["sampling/sampling_logp_difference/max"] < 1e-4
+    assert want[0]["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-4)
     assert "reward" in want[0] and "reward" not in want[1] and "reward" in want[2]  # a round every 2 steps
     for a, b in zip(got, want, strict=True):
         for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"):

@@ -74,11 +74,11 @@ def check_engine(g: GrpoConfig) -> None:
     _range("grpo.weight_sync_steps", g.weight_sync_steps, g.weight_sync_steps >= 1, ">= 1")
     if not g.use_vllm:
         return
-    require_vllm()
     _choice("grpo.vllm_mode", g.vllm_mode, VLLM_MODES)
     if g.vllm_mode == "server":
         raise ShardlmError("grpo.vllm_mode=server is not built yet: shardlm runs vLLM colocated (an engine in each "
                            "trainer process). Set grpo.vllm_mode=colocate.")
+    require_vllm()
     _range("grpo.vllm_gpu_memory_utilization", g.vllm_gpu_memory_utilization,
            0 < g.vllm_gpu_memory_utilization < 1, "in (0, 1)")
     if g.vllm_max_model_length is not None:

