@@ -9,16 +9,18 @@ or many.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as tdist
 
 from shardlm import ShardlmError
 from shardlm.config import GrpoConfig
-from shardlm.data.prompts import RLPrompt, completion_for_rewards
+from shardlm.data.prompts import PromptRows, RLPrompt, completion_for_rewards
 from shardlm.objectives.rl.loss import EPS, Advantages, group_advantages, rloo_advantages
 from shardlm.objectives.rl.rewards import RewardSet
 from shardlm.objectives.rl.sampling import Rollout, Sampler, SamplingParams
@@ -155,3 +157,19 @@ def round_metrics(r: ScoredRound, names: list[str], all_reduce: AllReduce | None
             "completions/mean_terminated_length": term_sum / term_count if term_count else 0.0}
     return out
 
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def prompt_split(blocks: Any, what: str) -> PromptRows:
+    """The prompts of a split, or a clear error (shardlm.training.checks refuses other data first)."""
+    if isinstance(blocks, PromptRows):
+        return blocks
+    from shardlm import ShardlmError
+
+    raise ShardlmError(f"train.objective=grpo/rloo samples completions of prompts ({{'prompt': ...}} records, or chat "
+                       f"data); the {what} data is {type(blocks).__name__}. Give prompt records, or another "
+                       "train.objective.")

@@ -19,9 +19,8 @@ new length of a KV-cache decode or a completion batch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -31,8 +30,6 @@ import torch
 import torch.distributed as tdist
 
 from shardlm.config import objectives as specs
-from shardlm.data import eval_shares
-from shardlm.data.prompts import PromptRows, completion_for_rewards
 from shardlm.distributed.parallelize import reshard, set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import shares_prefix
@@ -49,20 +46,11 @@ from shardlm.objectives.rl.loss import (
     rloo_loss,
     step_loss,
     token_loss,
-    weighted_rewards,
 )
-from shardlm.objectives.rl.rewards import exact_match
-from shardlm.objectives.rl.rollout import ScoredRound, round_metrics, sampling_params, score_round
+from shardlm.objectives.rl.rollout import ScoredRound, eager, prompt_split, round_metrics, sampling_params, score_round
 from shardlm.objectives.rl.sampling import Sampler, TransformersSampler
+from shardlm.objectives.rl.validate import describe_prompts, validate_prompts
 from shardlm.tokenizer import end_of_turn_id
-
-VAL_KEYS = 1 << 40  # validation prompts' sampling keys start here, apart from the training positions
-
-
-@contextlib.contextmanager
-def eager() -> Iterator[None]:
-    with torch.compiler.set_stance("force_eager"):
-        yield
 
 
 @dataclass
@@ -395,63 +383,7 @@ class RLStep(Defaults):
     # ---- validation ---------------------------------------------------------------------------------------------
     def validate(self, loop: Loop) -> dict[str, Any]:
         self.sync_engine(1)  # the policy as it is now, whatever grpo.weight_sync_steps
-        return self.validate_prompts(loop.run.val, loop.run.cfg.train.eval_batches)
-
-    @torch.no_grad()
-    def validate_prompts(self, val: Any, eval_batches: int) -> dict[str, Any]:
-        """The mean reward of one sampled completion per prompt (seeded) and the share of greedy completions that
-        equal the prompt's `answer` (exact match, `shardlm eval --exact-match`'s rule), over run.val's prompts;
-        every rank takes its share, padding rows (index -1) weigh nothing, so 1 or 2 ranks give the same."""
-        rows = prompt_split(val, "validation")
-        shares = eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch, eval_batches)
-        indices = np.concatenate(shares) if shares else np.zeros(0, dtype=np.int64)
-        real = np.where(indices >= 0, indices, 0)
-        weight = torch.from_numpy((indices >= 0).astype(np.float64))
-        prompts = [rows.prompt(int(i)) for i in real]
-        ids = [rows.token_ids(int(i)) for i in real]
-        keys = [VAL_KEYS + int(i) for i in real]
-        names = self.rewards.metric_names
-        with eager(), self.autocast():
-            sampled = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1))
-            greedy = self.sampler.sample(ids, keys, dataclasses.replace(self.params, group=1, temperature=0.0))
-        if not len(indices):  # this rank has no batch (it sampled nothing, with the others)
-            return self._val_result(torch.zeros(6 + 2 * len(names), dtype=torch.float64))
-        texts = [self.tok.decode(c, skip_special_tokens=True) for c in sampled.completions]
-        fields = {k: [p.fields.get(k) for p in prompts] for k in rows.field_names}
-        per_func = self.rewards.score([p.prompt for p in prompts], [completion_for_rewards(t, p) for t, p in
-                                                                     zip(texts, prompts, strict=True)],
-                                      sampled.completions, fields)
-        reward = weighted_rewards(per_func, self.rewards.weight_tensor).double()
-        answered = torch.tensor([p.fields.get("answer") is not None for p in prompts], dtype=torch.float64) * weight
-        greedy_texts = [self.tok.decode(c, skip_special_tokens=True) for c in greedy.completions]
-        matched = torch.tensor(exact_match(greedy_texts, [p.fields.get("answer") or "" for p in prompts]),
-                               dtype=torch.float64) * answered
-        ok = ~torch.isnan(reward)
-        columns = [*per_func.double().unbind(1)]
-        sums = torch.stack([torch.where(ok, reward, 0.0).mul(weight).sum(), (ok * weight).sum(), matched.sum(),
-                            answered.sum(), weight.sum(),
-                            (torch.tensor([len(c) for c in sampled.completions], dtype=torch.float64) * weight).sum(),
-                            *[torch.nan_to_num(c).mul(weight).sum() for c in columns],
-                            *[((~torch.isnan(c)) * weight).sum() for c in columns]])
-        return self._val_result(sums)
-
-    def _val_result(self, sums: torch.Tensor) -> dict[str, Any]:
-        self.all_reduce(sums)
-        total, names = sums.tolist(), self.rewards.metric_names
-        f = len(names)
-        out: dict[str, Any] = {"reward": total[0] / total[1] if total[1] else math.nan,
-                               "exact_match": total[2] / total[3] if total[3] else math.nan,
-                               "prompts": int(total[4]), "completions/mean_length": total[5] / max(total[4], 1)}
-        for j, name in enumerate(names):
-            n = total[6 + f + j]
-            out[f"rewards/{name}/mean"] = total[6 + j] / n if n else math.nan
-        return out
-
-
-def describe_prompts(result: dict[str, Any], held_out: int) -> str:
-    """An RL validation in words, as the run and `shardlm eval` print it."""
-    return (f"reward {result['reward']:.4f} exact_match {result['exact_match']:.3f} on {result['prompts']:,} of "
-            f"{held_out:,} prompts")
+        return validate_prompts(self, loop.run.val, loop.run.cfg.train.eval_batches)
 
 
 def evaluate_prompts(model: Any, tokenizer: Any, cfg: Any, device: torch.device) -> dict[str, Any]:
@@ -467,16 +399,6 @@ def evaluate_prompts(model: Any, tokenizer: Any, cfg: Any, device: torch.device)
     _, val = prepare_prompts(cfg.data, tokenizer, dist)
     lm = scoring_model(model, cfg.train.loss_chunk_size or 0)
     run = SimpleNamespace(cfg=cfg, dist=dist, model=lm, tokenizer=tokenizer, train=val)
-    result = RLStep(run, cfg.train.batch_size, 1, contextlib.nullcontext).validate_prompts(val, cfg.train.eval_batches)
+    result = validate_prompts(RLStep(run, cfg.train.batch_size, 1, contextlib.nullcontext), val,
+                              cfg.train.eval_batches)
     return result | {"held_out_tokens": len(val)}
-
-
-def prompt_split(blocks: Any, what: str) -> PromptRows:
-    """The prompts of a split, or a clear error (shardlm.training.checks refuses other data first)."""
-    if isinstance(blocks, PromptRows):
-        return blocks
-    from shardlm import ShardlmError
-
-    raise ShardlmError(f"train.objective=grpo/rloo samples completions of prompts ({{'prompt': ...}} records, or chat "
-                       f"data); the {what} data is {type(blocks).__name__}. Give prompt records, or another "
-                       "train.objective.")
