@@ -460,6 +460,11 @@ def test_a_tiny_model_learns_a_rule_based_reward():
                                          "data.seq_len=128"),
     (["grpo.temperature=0"], "grpo.temperature must be > 0 (greedy completions"),
     (["grpo.delta=1.1"], "grpo.delta must be > 1 + epsilon_high = 1.2 (null = off), got 1.1."),
+    (["grpo.steps_per_generation=4", "grpo.generation_batch_size=16"], "grpo.steps_per_generation and "
+                                                                       "grpo.generation_batch_size are two ways"),
+    (["train.grad_accum=2", "grpo.steps_per_generation=3"], "grpo.steps_per_generation=3 counts micro-batches, and "
+                                                            "a round feeds whole optimizer steps of "
+                                                            "train.grad_accum=2: set it to a multiple of 2"),
 ])
 def test_grpo_section_errors(overrides, message):
     from shardlm.config import load_config

@@ -202,3 +202,20 @@ def test_eval_reports_the_runs_validation(uninterrupted, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out.strip().splitlines()[-1])["reward"] == last["reward"]
     assert f"val reward {last['reward']:.4f} exact_match 0.000 on 7 of 7 prompts" in err
+
+
+def test_a_round_for_two_steps_on_two_ranks_is_one_process(rl_data, cache_dir, tmp_path):
+    """grpo.steps_per_generation=4 at grad_accum 2 (TRL's meaning): one round of 8 prompts x 2 feeds two optimizer
+    steps, each on its half, the second against the log-probabilities at sampling time (the policy moved); 2
+    ranks saying it as grpo.generation_batch_size=16 train the same."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = {"train.grad_accum": 2, "train.batch_size": 4, "grpo.group": 2, "train.max_steps": 4, "grpo.epsilon": 0.05}
+    shardlm_cli(["train", *rl_args(rl_data, cache_dir, one, **base, **{"grpo.steps_per_generation": 4})])
+    shardlm_cli(["train", *rl_args(rl_data, cache_dir, two, **{**base, "train.batch_size": 2},
+                                   **{"grpo.generation_batch_size": 16})], nproc=2)
+    got, want = records(two), records(one)
+    assert ["reward" in r for r in want] == [True, False, True, False]  # a round every 2 steps
+    assert want[1]["clip_ratio/region_mean"] > 0  # the second slice's ratios moved off 1
+    for a, b in zip(got, want, strict=True):
+        assert a.get("reward") == b.get("reward")
+        assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-4, abs=1e-6)

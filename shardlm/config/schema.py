@@ -153,6 +153,8 @@ class GrpoConfig:
     mask_truncated_completions: bool = False  # completions cut at max_completion_length are left out of the loss
     format_pattern: str | None = None  # reward `format`: a regex the whole trimmed completion must match
     length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
+    steps_per_generation: int | None = None  # micro-batches a round feeds (TRL's), a multiple of grad_accum; null = it
+    generation_batch_size: int | None = None  # or the round's completions over every rank; null = one step's
     use_vllm: bool = False  # completions from vLLM (pip install shardlm[vllm]) instead of the built-in sampler
     vllm_mode: str = "colocate"  # colocate: an engine inside each trainer process (server: not built yet)
     vllm_gpu_memory_utilization: float = 0.3  # colocate on a GPU: the engine's share of its memory (TRL's default)

@@ -8,6 +8,7 @@ from typing import Any
 
 from shardlm import ShardlmError
 from shardlm.config import Config
+from shardlm.config.grpo import steps_per_round
 from shardlm.data import PromptRows, check_prompts_fit, prepare_prompts
 from shardlm.data.prompts import completion_for_rewards
 from shardlm.objectives.rl.rewards import call, load_rewards
@@ -73,20 +74,31 @@ def probe_rewards(cfg: Config, rows: PromptRows) -> list[str]:
     return [f"rewards of the completions {texts[0]!r} and '' of the first prompt: " + "; ".join(lines)]
 
 
+def _rounds(cfg: Config, rows: int) -> tuple[int, str]:
+    """The steps a generation round serves (its slices, grpo.num_iterations times over) and who generates it."""
+    g, t = cfg.grpo, cfg.train
+    world = max(1, rows // (t.batch_size * t.grad_accum))
+    per_round = steps_per_round(g, t.batch_size, t.grad_accum, world) * g.num_iterations
+    engine = f" by vLLM ({g.vllm_mode}, weights synced every {g.weight_sync_steps} step" \
+             f"{'s' * (g.weight_sync_steps != 1)})" if g.use_vllm else ""
+    return per_round, engine
+
+
 def data_line(cfg: Config, train: Any, val: Any, steps: int, rows: int) -> str:
     """The run header's: prompts, completion length, steps, completions per step and rounds."""
     g = cfg.grpo
+    per_round, engine = _rounds(cfg, rows)
     return (f"data: {len(train):,} train / {len(val):,} val prompts, each with up to "
             f"{g.max_completion_length} completion tokens\n{steps} steps x {rows} completions "
-            f"({rows // g.group} prompts x grpo.group={g.group}), a generation round every "
-            f"{g.num_iterations} step{'s' * (g.num_iterations != 1)}")
+            f"({rows // g.group} prompts x grpo.group={g.group}), a generation round{engine} every "
+            f"{per_round} step{'s' * (per_round != 1)}")
 
 
 def count_line(cfg: Config, train: Any, val: Any, steps: int, rows: int) -> str:
     """The dry run's."""
     g = cfg.grpo
-    rounds = f", a round of completions serving grpo.num_iterations={g.num_iterations} steps" \
-        if g.num_iterations > 1 else ""
+    per_round, engine = _rounds(cfg, rows)
+    rounds = f", a round of completions{engine} serving {per_round} steps" if per_round > 1 or engine else ""
     return (f"prompts: {len(train):,} train / {len(val):,} val; {steps:,} steps of {rows // g.group} prompts x "
             f"grpo.group={g.group} completions{rounds}")
 

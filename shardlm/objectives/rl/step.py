@@ -30,6 +30,7 @@ import torch
 import torch.distributed as tdist
 
 from shardlm.config import objectives as specs
+from shardlm.config.grpo import steps_per_round
 from shardlm.distributed.parallelize import reshard, set_gradient_sync
 from shardlm.models import lora
 from shardlm.models.causal_lm import shares_prefix
@@ -74,7 +75,7 @@ class MicroBatch:
 class Round:
     scored: ScoredRound
     micro: list[MicroBatch]
-    tokens: float  # completion tokens the loss counts, over every rank
+    tokens: list[float]  # completion tokens the loss counts in each step's slice, over every rank
     metrics: dict[str, float]
     used: int = 0  # steps trained on it so far
     texts: list[str] = field(default_factory=list)
@@ -153,6 +154,7 @@ class RLStep(Defaults):
         self.world = run.dist.data_parallel
         self.per_rank = batch * accum // g.group  # prompts of a step on each rank
         self.per_step = self.per_rank * self.world
+        self.steps = steps_per_round(g, batch, accum, self.world)  # optimizer steps a round serves, each its slice
         self.rewards = load_rewards(g, prompt_split(run.train, "training").field_names)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         # token ids in, token ids (and their log-probabilities) out: shardlm's own decode, or a vLLM engine
@@ -182,14 +184,20 @@ class RLStep(Defaults):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sampled_tokens = int(state.get("rl_tokens", 0))
         used = int(state.get("rl_round_used", 0))
-        if 0 < used < self.g.num_iterations:  # a callback's stop inside a round (signals wait for its end)
-            self.dist.print(f"note: this checkpoint was saved after {used} of the grpo.num_iterations="
-                            f"{self.g.num_iterations} steps of its generation round, which checkpoints do not hold: "
-                            "the run samples a new round now, and differs from an uninterrupted one from here on")
+        if 0 < used < self.round_steps:  # a callback's stop inside a round (signals wait for its end)
+            self.dist.print(f"note: this checkpoint was saved after {used} of the {self.round_steps} steps of its "
+                            "generation round (grpo.num_iterations x the steps a round feeds), which checkpoints do "
+                            "not hold: the run samples a new round now, and differs from an uninterrupted one from "
+                            "here on")
+
+    @property
+    def round_steps(self) -> int:
+        """The optimizer steps a round serves: each of its slices, num_iterations times over."""
+        return self.steps * self.g.num_iterations
 
     def cycle_done(self) -> bool:
-        """Whether the last round has served its num_iterations steps: a checkpoint then loses nothing."""
-        return self.round is None or self.round.used >= self.g.num_iterations
+        """Whether the last round has served all its steps: a checkpoint then loses nothing."""
+        return self.round is None or self.round.used >= self.round_steps
 
     def may_save(self, step: int, total: int) -> bool:
         """Checkpoints, periodic or for a signal, wait for a round's end (num_iterations > 1); the last step's
@@ -215,7 +223,8 @@ class RLStep(Defaults):
     # ---- a round ------------------------------------------------------------------------------------------------
     def _new_round(self, order: np.ndarray, position: int) -> Round:
         rows = prompt_split(self.run.train, "training")
-        mine = range(self.dist.rank * self.per_rank, (self.dist.rank + 1) * self.per_rank)
+        first = self.dist.rank * self.per_rank  # this rank's share of each step's prompts, as if sampled step by step
+        mine = [s * self.per_step + first + j for s in range(self.steps) for j in range(self.per_rank)]
         prompts = [rows.prompt(int(order[j])) for j in mine]
         ids = [rows.token_ids(int(order[j])) for j in mine]
         with eager(), self.autocast():  # the run's compute context (plain bf16's blocks expect autocast)
@@ -225,7 +234,7 @@ class RLStep(Defaults):
         r = scored.rollout
         device = self.dist.device
         micro = []
-        for m in range(self.accum):
+        for m in range(self.accum * self.steps):
             span = range(m * self.batch, (m + 1) * self.batch)
             completions = [r.completions[i] for i in span]
             attention, group = None, self.g.group
@@ -239,21 +248,24 @@ class RLStep(Defaults):
             micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
                                     scored.scored.advantages[span.start:span.stop].to(device), attention=attention,
                                     sampling=sampler_logps(r, span, lengths) if self.correct else None))
+        per_slice = [sum(mb.mask.sum().item() for mb in micro[s * self.accum:(s + 1) * self.accum])
+                     for s in range(self.steps)]
         sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
-                                float(sum(mb.mask.sum().item() for mb in micro))], dtype=torch.float64)
+                                *per_slice], dtype=torch.float64)
         self.all_reduce(sampled)
         self.sampled_tokens += int(sampled[0].item())
         metrics |= {"step_completions": float(self.per_step * self.g.group), "step_tokens": sampled[0].item()}
-        out = Round(scored, micro, float(sampled[1].item()), metrics, texts=scored.texts)
+        out = Round(scored, micro, sampled[1:].tolist(), metrics, texts=scored.texts)
         self._score_before_training(out)
         return out
 
     @torch.no_grad()
     def _score_before_training(self, r: Round) -> None:
-        """The old log-probabilities (μ > 1; rloo with β > 0, whose reward takes the KL) and the reference's."""
+        """The old log-probabilities (a round that serves more than one step: μ > 1 or several slices; rloo with
+        β > 0, whose reward takes the KL) and the reference's."""
         beta, rloo = self.g.beta, self.objective == "rloo"
         for mb in r.micro:
-            if self.g.num_iterations > 1 or (rloo and beta > 0):
+            if self.round_steps > 1 or (rloo and beta > 0):
                 mb.old = self._logps(self.model, mb)[0].detach()
             if beta > 0:
                 mb.ref = self._reference_logps(mb)
@@ -305,22 +317,24 @@ class RLStep(Defaults):
         self.taken = 0
         if self.cycle_done():
             self.sync_engine(self.g.weight_sync_steps)
-            self.round = self._new_round(loop.sampler.indices(loop.position, self.per_step), loop.position)
-            self.taken = self.per_step
+            count = self.per_step * self.steps
+            self.round = self._new_round(loop.sampler.indices(loop.position, count), loop.position)
+            self.taken = count
         self.since_sync += 1  # the optimizer step that follows
         r = self.round
         assert r is not None
-        g = self.g
-        completions, tokens = self.batch * self.accum, r.tokens / self.world  # this rank's share of the step's
+        g, part = self.g, r.used % self.steps  # the round's slice this step trains on
+        completions, tokens = self.batch * self.accum, r.tokens[part] / self.world  # this rank's share of the step's
         loss_sum = torch.zeros((), device=self.dist.device)
         sums = torch.zeros(6, dtype=torch.float64, device=self.dist.device)  # low, high, counted, kl, entropy, tokens
-        fresh = self.taken > 0
+        fresh, corrected = self.taken > 0, False
         is_sums = torch.zeros(4, dtype=torch.float64, device=self.dist.device)
         is_highs = torch.full((3,), -math.inf, dtype=torch.float64, device=self.dist.device)
-        for m, mb in enumerate(r.micro):
+        for m, mb in enumerate(r.micro[part * self.accum:(part + 1) * self.accum]):
             set_gradient_sync(self.model, m == self.accum - 1)
             logps, entropy = self._logps(self.model, mb, with_entropy=True)
-            if fresh and mb.sampling is not None:
+            if mb.sampling is not None and mb.weights is None:  # once per micro-batch, at its first step
+                corrected = True
                 mb.weights = correct(mb.sampling, mb.old if mb.old is not None else logps.detach(), mb.lengths, g,
                                      is_sums, is_highs)
             if self.objective == "rloo":
@@ -341,7 +355,7 @@ class RLStep(Defaults):
                                  (entropy * mb.mask).sum() if entropy is not None else counted * 0, counted]).double()
         r.used += 1
         stats = self._step_stats(sums, r, fresh=fresh)
-        if fresh and r.micro and r.micro[0].sampling is not None:
+        if corrected:
             stats |= correction_stats(is_sums, is_highs, self.all_reduce)
         return 1, loss_sum, stats
 
