@@ -23,6 +23,7 @@ from shardlm.commands import (
     cmd_sweep,
     cmd_train,
     cmd_tune,
+    cmd_vllm_serve,
 )
 
 REFERENCE = "config keys: docs/config.md (python -m shardlm.docs prints them)"
@@ -204,6 +205,16 @@ def parser() -> argparse.ArgumentParser:
     tu.add_argument("--max-batch", type=int, default=256, help="largest micro-batch tried")
     tu.add_argument("--out", default=None, help="YAML file for the best setting (default OUT_DIR/tuned.yaml)")
     config_args(tu)
+
+    vs = add("vllm-serve", cmd_vllm_serve,
+             "a vLLM engine for online RL's grpo.vllm_mode=server (run it in vLLM's environment)",
+             "example:\n  shardlm vllm-serve --port 8000          # on its own GPUs: CUDA_VISIBLE_DEVICES=7\n"
+             "  shardlm train my_grpo.yaml grpo.use_vllm=true grpo.vllm_mode=server --nproc 7\n"
+             "the trainer sends the model's config and weights: the server needs no model folder.\n")
+    vs.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    vs.add_argument("--port", type=int, default=8000, help="port (default 8000, grpo.vllm_server_port's)")
+    vs.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="on a GPU, the engine's share of its memory (default 0.9: the GPU is the engine's own)")
 
     add("configs", cmd_configs, "list the bundled configs, one line each: shardlm train NAME runs one",
         "example:\n  shardlm configs\n  shardlm train shakespeare_tiny train.max_steps=100\n"

@@ -188,3 +188,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     config, overrides = split_args(args.rest)
     return prepare_command(load_config(config, overrides))
+
+
+def cmd_vllm_serve(args: argparse.Namespace) -> int:
+    """An engine for online RL's `grpo.vllm_mode: server`, until interrupted."""
+    import torch
+
+    from shardlm.config.grpo import require_vllm
+    from shardlm.objectives.rl.server import serve
+
+    require_vllm()
+    serve(args.host, args.port, torch.cuda.is_available(), args.gpu_memory_utilization)
+    return 0

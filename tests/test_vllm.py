@@ -6,7 +6,8 @@ engine is caught by the same comparison); a completion depends on its prompt's k
 a run learns, 2 ranks (an engine each) train what one process trains, and a killed run resumes exactly (its engine
 restarts with dummy weights and takes the checkpoint's at its first round); a LoRA policy reaches the engine with
 its adapters folded in, and grpo.weight_sync_steps=2 lets the engine lag a step, which the recorded
-sampler/trainer difference shows. Engines are Llama-shaped with heads of 64: vLLM's CPU attention refuses
+sampler/trainer difference shows. With `shardlm vllm-serve` (grpo.vllm_mode=server) one process and 2 ranks train
+what the colocated engine trains. Engines are Llama-shaped with heads of 64: vLLM's CPU attention refuses
 smaller heads (which is the engine-refusal row's case)."""
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -152,3 +157,39 @@ def test_lora_reaches_the_engine_folded_and_a_lagging_engine_shows(rl_data, cach
         "grpo.weight_sync_steps": 2, "train.max_steps": 3, "train.eval_every": 0}))
     lag = [r["sampling/sampling_logp_difference/max"] for r in records(tmp_path / "lag")]
     assert lag[0] < 1e-4 and lag[1] > 1e-3 and lag[2] < 1e-4, lag  # synced before rounds 1 and 3, not 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`shardlm vllm-serve` on a free port, in a process of its own; (port, its log)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "shardlm", "vllm-serve", "--host", "127.0.0.1", "--port",
+                                 str(port)], stdout=out, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                         "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while "listening" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        yield port, log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_server_trains_what_the_colocated_engine_trains(uninterrupted, server, rl_data, cache_dir, tmp_path):
+    """The trainer sends the config and the weights over HTTP; one process and 2 ranks (each its own prompts,
+    rank 0 the weights) get the colocated run's completions and steps."""
+    port, log = server
+    settings = {"grpo.vllm_mode": "server", "grpo.vllm_server_host": "127.0.0.1", "grpo.vllm_server_port": port}
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "one", **settings))
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "two", **settings, **{"train.batch_size": 4}), nproc=2)
+    want = records(uninterrupted)
+    for run in ("one", "two"):
+        got = records(tmp_path / run)
+        assert [r["reward"] for r in got] == [r["reward"] for r in want], (run, log.read_text()[-2000:])
+        assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
+        assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in got)

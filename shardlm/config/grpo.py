@@ -82,10 +82,10 @@ def check_engine(g: GrpoConfig) -> None:
     if not g.use_vllm:
         return
     _choice("grpo.vllm_mode", g.vllm_mode, VLLM_MODES)
-    if g.vllm_mode == "server":
-        raise ShardlmError("grpo.vllm_mode=server is not built yet: shardlm runs vLLM colocated (an engine in each "
-                           "trainer process). Set grpo.vllm_mode=colocate.")
-    require_vllm()
+    if g.vllm_mode == "colocate":  # a server's trainer needs no vLLM of its own
+        require_vllm()
+    _range("grpo.vllm_server_port", g.vllm_server_port, 0 < g.vllm_server_port < 65536, "a port, 1-65535")
+    _range("grpo.vllm_server_timeout", g.vllm_server_timeout, g.vllm_server_timeout > 0, "> 0 seconds")
     _range("grpo.vllm_gpu_memory_utilization", g.vllm_gpu_memory_utilization,
            0 < g.vllm_gpu_memory_utilization < 1, "in (0, 1)")
     if g.vllm_max_model_length is not None:

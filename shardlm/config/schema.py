@@ -156,10 +156,13 @@ class GrpoConfig:
     steps_per_generation: int | None = None  # micro-batches a round feeds (TRL's), a multiple of grad_accum; null = it
     generation_batch_size: int | None = None  # or the round's completions over every rank; null = one step's
     use_vllm: bool = False  # completions from vLLM (pip install shardlm[vllm]) instead of the built-in sampler
-    vllm_mode: str = "colocate"  # colocate: an engine inside each trainer process (server: not built yet)
+    vllm_mode: str = "colocate"  # colocate: an engine in each trainer process | server: `shardlm vllm-serve`
     vllm_gpu_memory_utilization: float = 0.3  # colocate on a GPU: the engine's share of its memory (TRL's default)
     vllm_enable_sleep_mode: bool = False  # colocate: the engine frees its weights and cache while the step trains
     vllm_max_model_length: int | None = None  # the engine's context; null = data.seq_len
+    vllm_server_host: str = "0.0.0.0"  # server: where `shardlm vllm-serve` listens (0.0.0.0: this machine)
+    vllm_server_port: int = 8000  # server: its port
+    vllm_server_timeout: float = 240.0  # server: seconds to wait for it to answer, at the start and per request
     weight_sync_steps: int = 1  # optimizer steps between pushes of the policy's weights into the engine
     vllm_importance_sampling_correction: bool = True  # grpo: weigh the loss by trainer/sampler likelihood ratios
     vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | ..._mask

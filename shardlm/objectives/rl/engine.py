@@ -38,76 +38,95 @@ def engine_dtype(precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
 
+def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_gpu: bool, rows: int,
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, external: bool = False
+                 ) -> tuple[Any, str]:
+    """A vLLM engine in this process for `config` (a transformers config) with dummy weights, and the folder of
+    its config.json (the caller removes it). `external`: one engine per rank of the trainer's torchrun world."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
+    from vllm import LLM
+
+    folder = tempfile.mkdtemp(prefix="shardlm-vllm-")
+    config.save_pretrained(folder)
+    extra: dict[str, Any] = {}
+    if on_gpu:
+        extra |= {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_mode}
+    else:  # vLLM's CPU backend would take 90% of the host's memory for its KV cache: what a round needs
+        extra["kv_cache_memory_bytes"] = kv_cache_bytes(config, max_model_len, rows, precision)
+    if external:
+        extra["distributed_executor_backend"] = "external_launcher"  # TRL's colocate: one engine per rank
+    try:
+        llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype=engine_dtype(precision),
+                  max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
+                  enable_prefix_caching=True, enforce_eager=not on_gpu, **extra)
+    except Exception as e:  # vLLM's own message, named as the engine's: the model may be one it cannot run
+        shutil.rmtree(folder, ignore_errors=True)
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        raise ShardlmError(f"vLLM could not start an engine for this model ({type(config).__name__}, "
+                           f"{config.model_type}): {last}. Set grpo.use_vllm=false to sample with shardlm's own "
+                           "sampler.") from e
+    return llm, folder
+
+
+def reload(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """The engine's weights replaced in place under their transformers names, its prefix cache emptied."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    llm.reset_prefix_cache()
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams,
+             vocab: int | None = None) -> Rollout:
+    """`params.group` completions of each prompt, each its own request seeded by (seed, key, j); ids below
+    `vocab` only, where set."""
+    from vllm import SamplingParams as VParams
+    from vllm.inputs import TokensPrompt
+
+    allowed = list(range(vocab)) if vocab is not None else None
+    requests, settings = [], []
+    for p, key in zip(prompts, keys, strict=True):
+        for j in range(params.group):
+            requests.append(TokensPrompt(prompt_token_ids=list(p)))
+            settings.append(VParams(n=1, temperature=params.temperature, top_p=params.top_p,
+                                    top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
+                                    seed=row_seed(params.seed, key, j), stop_token_ids=list(params.stop),
+                                    logprobs=0, detokenize=False, allowed_token_ids=allowed))
+    outputs = llm.generate(requests, settings, use_tqdm=False) if requests else []
+    out = Rollout([list(p) for p in prompts], [], [], params.group)
+    stop = set(params.stop)
+    for o in outputs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        out.completions.append(ids)
+        out.logps.append([float(d[t].logprob) if d and t in d else float("nan")
+                          for t, d in zip(ids, c.logprobs or [None] * len(ids), strict=True)])
+    out.truncated = [not c or c[-1] not in stop for c in out.completions]
+    return out
+
+
 class VLLMSampler:
-    """`Sampler` on a vLLM engine in this process. `model` is the trainer's CausalLM (sharded or not), `vocab`
-    the tokenizer's ids (a padded head's extra ids are never drawn)."""
+    """`Sampler` on a vLLM engine in this process (`vllm_mode: colocate`). `model` is the trainer's CausalLM
+    (sharded or not), `vocab` the tokenizer's ids (a padded head's extra ids are never drawn)."""
 
     def __init__(self, model: Any, g: Any, max_model_len: int, precision: str, seed: int, device: torch.device,
                  vocab: int | None = None, rows: int = 64):
         require_vllm()
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
-        from vllm import LLM
-
-        self.model, self.vocab, self.syncs = model, vocab, 0
-        self.folder = tempfile.mkdtemp(prefix="shardlm-vllm-")
+        self.model, self.syncs = model, 0
         config = model.hf.config
-        config.save_pretrained(self.folder)
-        extra: dict[str, Any] = {}
-        if device.type == "cuda":
-            extra |= {"gpu_memory_utilization": g.vllm_gpu_memory_utilization,
-                      "enable_sleep_mode": g.vllm_enable_sleep_mode}
-        else:  # vLLM's CPU backend would take 90% of the host's memory for its KV cache: what a round needs
-            extra["kv_cache_memory_bytes"] = kv_cache_bytes(config, max_model_len, rows, precision)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            extra["distributed_executor_backend"] = "external_launcher"  # TRL's colocate: one engine per rank
-        try:
-            self.llm = LLM(model=self.folder, skip_tokenizer_init=True, load_format="dummy",
-                           dtype=engine_dtype(precision), max_model_len=max_model_len, seed=seed,
-                           logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                           enforce_eager=device.type != "cuda", **extra)
-        except Exception as e:  # vLLM's own message, named as the engine's: the model may be one it cannot run
-            shutil.rmtree(self.folder, ignore_errors=True)
-            raise ShardlmError(f"vLLM could not start an engine for this model ({type(config).__name__}, "
-                               f"{config.model_type}): {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
-                               "Set grpo.use_vllm=false to sample with shardlm's own sampler.") from e
+        self.vocab = vocab if vocab is not None and vocab < config.vocab_size else None
+        external = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self.llm, self.folder = start_engine(config, precision, max_model_len, seed, device.type == "cuda", rows,
+                                             g.vllm_gpu_memory_utilization, g.vllm_enable_sleep_mode, external)
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
-    # ---- weights ---------------------------------------------------------------------------------------------
     def sync(self) -> None:
         """Push the policy's current weights into the engine; every rank calls it (the gathers are collective)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": policy_weights(self.model)})
-        self.llm.reset_prefix_cache()
+        reload(self.llm, policy_weights(self.model))
         self.syncs += 1
 
-    # ---- sampling --------------------------------------------------------------------------------------------
     def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
-        from vllm import SamplingParams as VParams
-        from vllm.inputs import TokensPrompt
-
-        allowed = None
-        if self.vocab is not None and self.vocab < self.model.hf.config.vocab_size:
-            allowed = list(range(self.vocab))
-        requests, settings = [], []
-        for p, key in zip(prompts, keys, strict=True):
-            for j in range(params.group):
-                requests.append(TokensPrompt(prompt_token_ids=list(p)))
-                settings.append(VParams(n=1, temperature=params.temperature, top_p=params.top_p,
-                                        top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
-                                        seed=row_seed(params.seed, key, j), stop_token_ids=list(params.stop),
-                                        logprobs=0, detokenize=False, allowed_token_ids=allowed))
-        outputs = self.llm.generate(requests, settings, use_tqdm=False) if requests else []
-        out = Rollout([list(p) for p in prompts], [], [], params.group)
-        stop = set(params.stop)
-        for o in outputs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            out.completions.append(ids)
-            out.logps.append([float(d[t].logprob) if d and t in d else float("nan")
-                              for t, d in zip(ids, c.logprobs or [None] * len(ids), strict=True)])
-        out.truncated = [not c or c[-1] not in stop for c in out.completions]
-        return out
+        return generate(self.llm, prompts, keys, params, self.vocab)
 
 
 def kv_cache_bytes(config: Any, max_model_len: int, rows: int, precision: str) -> int:

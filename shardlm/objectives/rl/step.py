@@ -50,6 +50,7 @@ from shardlm.objectives.rl.loss import (
 )
 from shardlm.objectives.rl.rollout import ScoredRound, eager, prompt_split, round_metrics, sampling_params, score_round
 from shardlm.objectives.rl.sampling import Sampler, TransformersSampler
+from shardlm.objectives.rl.server import ServerSampler, wait_for_server
 from shardlm.objectives.rl.validate import describe_prompts, validate_prompts
 from shardlm.tokenizer import end_of_turn_id
 
@@ -97,6 +98,8 @@ class RLStep(Defaults):
     @classmethod
     def check_data(cls, cfg: Any, hf_cfg: Any, train: Any, val: Any) -> None:
         checks.check_prompts(cfg, train, val)
+        if cfg.grpo.use_vllm and cfg.grpo.vllm_mode == "server":
+            wait_for_server(cfg.grpo)
 
     @classmethod
     def count_steps(cls, cfg: Any, train: Any, world: int) -> int:
@@ -158,13 +161,16 @@ class RLStep(Defaults):
         self.rewards = load_rewards(g, prompt_split(run.train, "training").field_names)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         # token ids in, token ids (and their log-probabilities) out: shardlm's own decode, or a vLLM engine
-        self.engine: VLLMSampler | None = None
+        self.engine: VLLMSampler | ServerSampler | None = None
         self.sampler: Sampler = TransformersSampler(run.model.hf, self.pad, root=run.model,
                                                     max_rows=max(batch * accum, g.group), vocab=run.model.vocab)
         if g.use_vllm:
-            self.engine = VLLMSampler(run.model, g, g.vllm_max_model_length or cfg.data.seq_len,
-                                      cfg.parallel.precision, cfg.train.seed, run.dist.device, run.model.vocab,
-                                      rows=max(batch * accum, g.group, batch * cfg.train.eval_batches))
+            length, rows = g.vllm_max_model_length or cfg.data.seq_len, max(batch * accum, g.group,
+                                                                             batch * cfg.train.eval_batches)
+            self.engine = ServerSampler(run.model, g, length, cfg.parallel.precision, cfg.train.seed, run.dist,
+                                        run.model.vocab, rows) if g.vllm_mode == "server" else \
+                VLLMSampler(run.model, g, length, cfg.parallel.precision, cfg.train.seed, run.dist.device,
+                            run.model.vocab, rows)
             self.sampler = self.engine
         self.since_sync = 0  # optimizer steps since the engine took the policy's weights
         # TRL's vLLM importance-sampling correction, for any sampler that gives its log-probabilities (grpo's loss)

@@ -1,0 +1,209 @@
+"""vLLM as a server (`grpo.vllm_mode: server`): `shardlm vllm-serve` runs one engine in a process of its own (its
+own GPUs, or vLLM's CPU build), and the trainer's ranks reach it over HTTP as TRL's `trl vllm-serve` does.
+
+The trainer's rank 0 tells the server the model's config (`/init`: the engine starts with dummy weights, as the
+colocated one does) and pushes the policy's weights after every `grpo.weight_sync_steps` optimizer steps
+(`/weights` in chunks of safetensors bytes, never pickles, then `/weights/done`, which reloads them in place and
+resets the prefix cache); every rank sends its own prompts to `/generate` and gets token ids and processed
+log-probabilities back, each completion seeded by its key, so 2 ranks sample what 1 process samples. Weights
+travel over HTTP: simple and the same on every machine, at the cost of a copy through the host; NCCL between the
+trainer and the engine (TRL's communicator, vLLM's weight-transfer engines) is not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from shardlm import ShardlmError
+from shardlm.objectives.rl.engine import generate, policy_weights, reload, start_engine
+from shardlm.objectives.rl.sampling import Rollout, SamplingParams
+
+CHUNK = 64 << 20  # bytes of weights per /weights request
+
+
+# ---- the server ------------------------------------------------------------------------------------------------
+class Engine:
+    """The server's state: one engine, rebuilt when a trainer asks for another model; one request at a time."""
+
+    def __init__(self, on_gpu: bool, gpu_memory_utilization: float):
+        self.on_gpu, self.memory = on_gpu, gpu_memory_utilization
+        self.llm: Any = None
+        self.spec: dict | None = None
+        self.folder = ""
+        self.vocab: int | None = None
+        self.pending: dict[str, torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+    def init(self, body: dict) -> dict:
+        from transformers import AutoConfig
+
+        spec = {k: body[k] for k in ("config", "precision", "max_model_len", "seed", "rows")}
+        if spec != self.spec:
+            config = AutoConfig.for_model(**body["config"])
+            if self.llm is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.llm = None
+            self.llm, self.folder = start_engine(config, body["precision"], body["max_model_len"], body["seed"],
+                                                 self.on_gpu, body["rows"], self.memory)
+            self.spec = spec
+        self.vocab = body.get("vocab")
+        return {"ok": True}
+
+    def generate(self, body: dict) -> dict:
+        params = SamplingParams(**{**body["params"], "stop": tuple(body["params"]["stop"])})
+        out = generate(self.llm, body["prompts"], body["keys"], params, self.vocab)
+        return {"completions": out.completions, "logps": out.logps}
+
+    def weights(self, payload: bytes) -> dict:
+        from safetensors.torch import load
+
+        self.pending.update(load(payload))
+        return {"ok": True}
+
+    def weights_done(self) -> dict:
+        reload(self.llm, iter(list(self.pending.items())))
+        self.pending.clear()
+        return {"ok": True}
+
+
+def serve(host: str, port: int, on_gpu: bool, gpu_memory_utilization: float = 0.9) -> None:
+    """Answer trainers until interrupted."""
+    engine = Engine(on_gpu, gpu_memory_utilization)
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: Any) -> None:  # one line per request would drown the engine's own log
+            pass
+
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._reply(200 if self.path == "/health" else 404, {"ok": self.path == "/health"})
+
+        def do_POST(self) -> None:
+            payload = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            try:
+                with engine.lock:
+                    if self.path == "/weights":
+                        body = engine.weights(payload)
+                    elif self.path == "/weights/done":
+                        body = engine.weights_done()
+                    elif self.path in ("/init", "/generate"):
+                        request = json.loads(payload)
+                        body = engine.init(request) if self.path == "/init" else engine.generate(request)
+                    else:
+                        return self._reply(404, {"error": f"no endpoint {self.path}"})
+            except Exception as e:  # the trainer shows the server's error as its own
+                return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
+            self._reply(200, body)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    print(f"shardlm vllm-serve: listening on http://{host}:{port} (POST /init, /generate, /weights)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+
+
+# ---- the trainer's side ----------------------------------------------------------------------------------------
+def server_url(g: Any) -> str:
+    host = "127.0.0.1" if g.vllm_server_host in ("0.0.0.0", "") else g.vllm_server_host
+    return f"http://{host}:{g.vllm_server_port}"
+
+
+def wait_for_server(g: Any) -> None:
+    """The server's /health, polled until it answers or grpo.vllm_server_timeout passes: one line then (the run,
+    before its model loads, and the dry run)."""
+    deadline = time.time() + g.vllm_server_timeout
+    while True:
+        try:
+            with urllib.request.urlopen(server_url(g) + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.time() > deadline:
+            raise ShardlmError(f"no vLLM server answered at {g.vllm_server_host}:{g.vllm_server_port} within "
+                               f"grpo.vllm_server_timeout={g.vllm_server_timeout:g} s: start one with `shardlm "
+                               f"vllm-serve --port {g.vllm_server_port}` (in vLLM's environment), or set "
+                               "grpo.vllm_server_host / vllm_server_port to where it listens.")
+        time.sleep(1.0)
+
+
+class ServerSampler:
+    """`Sampler` on a `shardlm vllm-serve` engine; every rank holds one, rank 0 alone pushes the weights."""
+
+    def __init__(self, model: Any, g: Any, max_model_len: int, precision: str, seed: int, dist: Any,
+                 vocab: int | None = None, rows: int = 64):
+        self.model, self.dist, self.syncs = model, dist, 0
+        self.url, self.timeout = server_url(g), g.vllm_server_timeout
+        wait_for_server(g)
+        config = model.hf.config
+        if dist.is_main:
+            self._post("/init", {"config": config.to_dict(), "precision": precision, "max_model_len": max_model_len,
+                                 "seed": seed, "rows": rows * dist.world_size,
+                                 "vocab": vocab if vocab is not None and vocab < config.vocab_size else None})
+        self._barrier()
+
+    def _post(self, path: str, body: dict | None = None, payload: bytes | None = None) -> dict:
+        data = payload if payload is not None else json.dumps(body).encode()
+        kind = "application/octet-stream" if payload is not None else "application/json"
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": kind})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = json.loads(e.read() or b"{}").get("error", str(e))
+            raise ShardlmError(f"the vLLM server at {self.url} refused {path}: {detail}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise ShardlmError(f"the vLLM server at {self.url} stopped answering ({path}: {e}).") from None
+
+    def _barrier(self) -> None:
+        if self.dist.distributed:
+            torch.distributed.barrier()
+
+    def sync(self) -> None:
+        """Every rank gathers (collective); rank 0 sends the weights in chunks; the others wait for the reload."""
+        from safetensors.torch import save
+
+        chunk: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, tensor in policy_weights(self.model):
+            if not self.dist.is_main:
+                continue
+            chunk[name] = tensor.detach().to("cpu").clone()  # safetensors refuses tensors sharing storage
+            size += tensor.numel() * tensor.element_size()
+            if size >= CHUNK:
+                self._post("/weights", payload=save(chunk))
+                chunk, size = {}, 0
+        if self.dist.is_main:
+            if chunk:
+                self._post("/weights", payload=save(chunk))
+            self._post("/weights/done", {})
+        self._barrier()
+        self.syncs += 1
+
+    def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
+        got = self._post("/generate", {"prompts": [list(p) for p in prompts], "keys": list(keys),
+                                       "params": {**params.__dict__, "stop": list(params.stop)}})
+        out = Rollout([list(p) for p in prompts], got["completions"], [], params.group, got["logps"])
+        stop = set(params.stop)
+        out.truncated = [not c or c[-1] not in stop for c in out.completions]
+        return out
