@@ -95,6 +95,8 @@ CASES = {  # row: (overrides, the message's telling part)
     "243": (["grpo.use_vllm=true", "grpo.vllm_mode=server", "grpo.vllm_server_port=9", "grpo.vllm_server_timeout=1"],
             "^no vLLM server answered at 0.0.0.0:9 within grpo.vllm_server_timeout=1 s: start one with `shardlm "
             "vllm-serve --port 9`"),
+    "246": (["grpo.max_staleness=1"], "grpo.max_staleness=1 generates rounds ahead on a vLLM server while the "
+                                      "steps train: set grpo.use_vllm=true and grpo.vllm_mode=server"),
     "244": (["grpo.vllm_importance_sampling_mode=sequence-mask"], "grpo.vllm_importance_sampling_mode="
             "'sequence-mask' is not one of token_truncate, token_mask, sequence_truncate, sequence_mask. Did you mean "
             "'sequence_mask'\\?"),

@@ -193,3 +193,20 @@ def test_a_server_trains_what_the_colocated_engine_trains(uninterrupted, server,
         assert [r["reward"] for r in got] == [r["reward"] for r in want], (run, log.read_text()[-2000:])
         assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
         assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in got)
+
+
+def test_asynchronous_rounds_lag_one_step_and_two_ranks_equal_one(server, rl_data, cache_dir, tmp_path):
+    """grpo.max_staleness=1: each next round is generated on the server while the step trains, by the weights
+    one step older (policy lag 1 after the first round), trained against the sampler's own log-probabilities as
+    the old ones (the clip acts); the same on 2 ranks."""
+    port, _ = server
+    settings = {"grpo.vllm_mode": "server", "grpo.vllm_server_host": "127.0.0.1", "grpo.vllm_server_port": port,
+                "grpo.max_staleness": 1}
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "one", **settings))
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "two", **settings, **{"train.batch_size": 4}), nproc=2)
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert [r["sampling/policy_lag"] for r in one] == [0, 1, 1, 1]
+    assert any(r["clip_ratio/region_mean"] > 0 for r in one[1:])
+    assert [r["reward"] for r in two] == [r["reward"] for r in one]
+    # the old log-probabilities are the engine's, whose rounding moves with the batch it ran (~1e-6): looser
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-3)

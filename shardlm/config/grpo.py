@@ -79,6 +79,11 @@ def check_engine(g: GrpoConfig) -> None:
     if low is not None and high is not None and low >= high:
         raise ShardlmError(f"grpo.vllm_importance_sampling_clip_min={low} must be below clip_max={high}.")
     _range("grpo.weight_sync_steps", g.weight_sync_steps, g.weight_sync_steps >= 1, ">= 1")
+    _range("grpo.max_staleness", g.max_staleness, g.max_staleness >= 0, ">= 0 (0 = synchronous)")
+    if g.max_staleness and not (g.use_vllm and g.vllm_mode == "server"):
+        raise ShardlmError(f"grpo.max_staleness={g.max_staleness} generates rounds ahead on a vLLM server while "
+                           "the steps train: set grpo.use_vllm=true and grpo.vllm_mode=server (a colocated engine "
+                           "or the built-in sampler shares the trainer's device), or grpo.max_staleness=0.")
     if not g.use_vllm:
         return
     _choice("grpo.vllm_mode", g.vllm_mode, VLLM_MODES)

@@ -53,6 +53,9 @@ def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_
         extra |= {"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": sleep_mode}
     else:  # vLLM's CPU backend would take 90% of the host's memory for its KV cache: what a round needs
         extra["kv_cache_memory_bytes"] = kv_cache_bytes(config, max_model_len, rows, precision)
+        # a whole round's prefill in one scheduling step: a prompt prefilled in chunks rewinds its request's
+        # seeded generator, which CPU generators cannot ("CPU Generator does not use offset")
+        extra["max_num_batched_tokens"] = max(4096, rows * max_model_len)
     if external:
         extra["distributed_executor_backend"] = "external_launcher"  # TRL's colocate: one engine per rank
     try:

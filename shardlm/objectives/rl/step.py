@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -70,6 +72,24 @@ class MicroBatch:
     attention: torch.Tensor | None = None  # shared_batch's 4D mask: rows hold a prompt and its completions
     sampling: torch.Tensor | None = None  # (rows, T) the sampler's own (its importance-sampling correction)
     weights: torch.Tensor | None = None  # that correction's ratios, (rows, T) or (rows, 1), once computed
+
+
+@dataclass
+class Pending:
+    """A round being generated ahead: where in the data order it starts, and the step count of the weights."""
+    position: int
+    future: Future
+    synced_at: int
+
+
+class Sampled:
+    """A `Sampler` that hands back a rollout generated ahead."""
+
+    def __init__(self, rollout: Any):
+        self.rollout = rollout
+
+    def sample(self, prompts: Any, keys: Any, params: Any) -> Any:
+        return self.rollout
 
 
 @dataclass
@@ -165,14 +185,18 @@ class RLStep(Defaults):
         self.sampler: Sampler = TransformersSampler(run.model.hf, self.pad, root=run.model,
                                                     max_rows=max(batch * accum, g.group), vocab=run.model.vocab)
         if g.use_vllm:
-            length, rows = g.vllm_max_model_length or cfg.data.seq_len, max(batch * accum, g.group,
-                                                                             batch * cfg.train.eval_batches)
+            length = g.vllm_max_model_length or cfg.data.seq_len
+            rows = max(batch * accum * self.steps, g.group, batch * cfg.train.eval_batches)  # a request's at most
             self.engine = ServerSampler(run.model, g, length, cfg.parallel.precision, cfg.train.seed, run.dist,
                                         run.model.vocab, rows) if g.vllm_mode == "server" else \
                 VLLMSampler(run.model, g, length, cfg.parallel.precision, cfg.train.seed, run.dist.device,
                             run.model.vocab, rows)
             self.sampler = self.engine
         self.since_sync = 0  # optimizer steps since the engine took the policy's weights
+        self.trained, self.synced_at = 0, 0  # optimizer steps so far; their count when the engine last synced
+        self.ahead = g.max_staleness  # rounds generated ahead on the server (asynchronous generation)
+        self.pending: deque[Pending] = deque()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-rollout") if self.ahead else None
         # TRL's vLLM importance-sampling correction, for any sampler that gives its log-probabilities (grpo's loss)
         self.correct = g.vllm_importance_sampling_correction and self.objective == "grpo"
         stop = [t for t in (end_of_turn_id(self.tok), self.tok.eos_token_id) if t is not None]
@@ -227,16 +251,26 @@ class RLStep(Defaults):
         tensor.copy_(on.to(tensor.device))
 
     # ---- a round ------------------------------------------------------------------------------------------------
-    def _new_round(self, order: np.ndarray, position: int) -> Round:
+    def _share(self, order: np.ndarray, position: int) -> tuple[list[Any], list[list[int]], list[int]]:
+        """This rank's prompts of a round (its share of each step's, as if sampled step by step), their ids and
+        sampling keys (their places in the data order)."""
         rows = prompt_split(self.run.train, "training")
-        first = self.dist.rank * self.per_rank  # this rank's share of each step's prompts, as if sampled step by step
+        first = self.dist.rank * self.per_rank
         mine = [s * self.per_step + first + j for s in range(self.steps) for j in range(self.per_rank)]
-        prompts = [rows.prompt(int(order[j])) for j in mine]
-        ids = [rows.token_ids(int(order[j])) for j in mine]
+        return ([rows.prompt(int(order[j])) for j in mine], [rows.token_ids(int(order[j])) for j in mine],
+                [position + j for j in mine])
+
+    def _new_round(self, order: np.ndarray, position: int, ready: tuple[Any, int] | None = None) -> Round:
+        """The round at `position`: sampled now, or `ready` (generated ahead: its rollout and the step count of
+        the weights that sampled it), then scored."""
+        prompts, ids, keys = self._share(order, position)
+        sampler: Any = self.sampler if ready is None else Sampled(ready[0])
         with eager(), self.autocast():  # the run's compute context (plain bf16's blocks expect autocast)
-            scored = score_round(self.sampler, self.tok, prompts, ids, [position + j for j in mine], self.rewards,
-                                 self.g, self.params, self.objective, self.all_reduce)
+            scored = score_round(sampler, self.tok, prompts, ids, keys, self.rewards, self.g, self.params,
+                                 self.objective, self.all_reduce)
         metrics = round_metrics(scored, self.rewards.metric_names, self.all_reduce)
+        if self.ahead:
+            metrics["sampling/policy_lag"] = float(self.trained - (self.synced_at if ready is None else ready[1]))
         r = scored.rollout
         device = self.dist.device
         micro = []
@@ -253,7 +287,8 @@ class RLStep(Defaults):
             mask = lengths.float() * scored.loss_mask[span.start:span.stop, None].to(device)
             micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
                                     scored.scored.advantages[span.start:span.stop].to(device), attention=attention,
-                                    sampling=sampler_logps(r, span, lengths) if self.correct else None))
+                                    sampling=sampler_logps(r, span, lengths) if self.correct or self.ahead
+                                    else None))
         per_slice = [sum(mb.mask.sum().item() for mb in micro[s * self.accum:(s + 1) * self.accum])
                      for s in range(self.steps)]
         sampled = torch.tensor([float(sum(len(r.prompt_of(i)) + len(c) for i, c in enumerate(r.completions))),
@@ -271,7 +306,9 @@ class RLStep(Defaults):
         β > 0, whose reward takes the KL) and the reference's."""
         beta, rloo = self.g.beta, self.objective == "rloo"
         for mb in r.micro:
-            if self.round_steps > 1 or (rloo and beta > 0):
+            if self.ahead and mb.sampling is not None:  # sampled by older weights: the behaviour policy's, as sampled
+                mb.old = mb.sampling.clone()
+            elif self.round_steps > 1 or (rloo and beta > 0):
                 mb.old = self._logps(self.model, mb)[0].detach()
             if beta > 0:
                 mb.ref = self._reference_logps(mb)
@@ -314,7 +351,24 @@ class RLStep(Defaults):
         ones) or `every` optimizer steps have passed since it last did."""
         if self.engine is not None and (self.engine.syncs == 0 or self.since_sync >= every):
             self.engine.sync()
-            self.since_sync = 0
+            self.since_sync, self.synced_at = 0, self.trained
+
+    def _launch(self, loop: Loop, position: int) -> None:
+        """This rank's share of the round at `position`, sent to the server on a background thread."""
+        assert self.pool is not None
+        prompts, ids, keys = self._share(loop.sampler.indices(position, self.per_step * self.steps), position)
+        self.pending.append(Pending(position, self.pool.submit(self.sampler.sample, ids, keys, self.params),
+                                    self.synced_at))
+
+    def _ready(self, position: int) -> tuple[Any, int] | None:
+        """The round generated ahead for `position` and the step count of the weights that sampled it, or None
+        (none pending: the first round, or one after a resume)."""
+        while self.pending:
+            p = self.pending.popleft()
+            rollout = p.future.result()
+            if p.position == position:
+                return rollout, p.synced_at
+        return None
 
     # ---- a step -------------------------------------------------------------------------------------------------
     def micro_steps(self, loop: Loop) -> StepOut:
@@ -322,11 +376,15 @@ class RLStep(Defaults):
         every rank), on the prompts of the data order (`loop.sampler`) from `loop.position` on."""
         self.taken = 0
         if self.cycle_done():
-            self.sync_engine(self.g.weight_sync_steps)
             count = self.per_step * self.steps
-            self.round = self._new_round(loop.sampler.indices(loop.position, count), loop.position)
+            ready = self._ready(loop.position) if self.ahead else None  # its generation is over: the engine is free
+            self.sync_engine(self.g.weight_sync_steps)
+            self.round = self._new_round(loop.sampler.indices(loop.position, count), loop.position, ready)
             self.taken = count
+            while len(self.pending) < self.ahead:  # the next rounds, sampled while this one trains
+                self._launch(loop, loop.position + count * (len(self.pending) + 1))
         self.since_sync += 1  # the optimizer step that follows
+        self.trained += 1
         r = self.round
         assert r is not None
         g, part = self.g, r.used % self.steps  # the round's slice this step trains on
