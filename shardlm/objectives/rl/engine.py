@@ -38,11 +38,15 @@ def engine_dtype(precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
+
+
 def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_gpu: bool, rows: int,
-                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, external: bool = False
-                 ) -> tuple[Any, str]:
+                 gpu_memory_utilization: float = 0.3, sleep_mode: bool = False, external: bool = False,
+                 lora_rank: int | None = None) -> tuple[Any, str]:
     """A vLLM engine in this process for `config` (a transformers config) with dummy weights, and the folder of
-    its config.json (the caller removes it). `external`: one engine per rank of the trainer's torchrun world."""
+    its config.json (the caller removes it). `external`: one engine per rank of the trainer's torchrun world;
+    `lora_rank`: the engine applies LoRA adapters of that rank itself."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
     from vllm import LLM
 
@@ -58,6 +62,9 @@ def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_
         extra["max_num_batched_tokens"] = max(4096, rows * max_model_len)
     if external:
         extra["distributed_executor_backend"] = "external_launcher"  # TRL's colocate: one engine per rank
+    if lora_rank:
+        extra |= {"enable_lora": True, "max_loras": 1,
+                  "max_lora_rank": next((r for r in LORA_RANKS if r >= lora_rank), lora_rank)}
     try:
         llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype=engine_dtype(precision),
                   max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
@@ -78,9 +85,9 @@ def reload(llm: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
 
 
 def generate(llm: Any, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams,
-             vocab: int | None = None) -> Rollout:
+             vocab: int | None = None, lora: Any = None) -> Rollout:
     """`params.group` completions of each prompt, each its own request seeded by (seed, key, j); ids below
-    `vocab` only, where set."""
+    `vocab` only, where set; through the LoRA adapter `lora` (a vLLM LoRARequest), where given."""
     from vllm import SamplingParams as VParams
     from vllm.inputs import TokensPrompt
 
@@ -93,7 +100,7 @@ def generate(llm: Any, prompts: Sequence[Sequence[int]], keys: Sequence[int], pa
                                     top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_tokens,
                                     seed=row_seed(params.seed, key, j), stop_token_ids=list(params.stop),
                                     logprobs=0, detokenize=False, allowed_token_ids=allowed))
-    outputs = llm.generate(requests, settings, use_tqdm=False) if requests else []
+    outputs = llm.generate(requests, settings, use_tqdm=False, lora_request=lora) if requests else []
     out = Rollout([list(p) for p in prompts], [], [], params.group)
     stop = set(params.stop)
     for o in outputs:
@@ -113,23 +120,65 @@ class VLLMSampler:
     def __init__(self, model: Any, g: Any, max_model_len: int, precision: str, seed: int, device: torch.device,
                  vocab: int | None = None, rows: int = 64):
         require_vllm()
-        self.model, self.syncs = model, 0
+        self.model, self.syncs, self.lora = model, 0, None
         config = model.hf.config
         self.vocab = vocab if vocab is not None and vocab < config.vocab_size else None
+        self.lora_rank = adapter_rank(model) if g.vllm_lora_adapters else None
         external = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self.llm, self.folder = start_engine(config, precision, max_model_len, seed, device.type == "cuda", rows,
-                                             g.vllm_gpu_memory_utilization, g.vllm_enable_sleep_mode, external)
+                                             g.vllm_gpu_memory_utilization, g.vllm_enable_sleep_mode, external,
+                                             self.lora_rank)
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def sync(self) -> None:
-        """Push the policy's current weights into the engine; every rank calls it (the gathers are collective)."""
-        reload(self.llm, policy_weights(self.model))
+        """Push the policy into the engine; every rank calls it (the gathers are collective). With LoRA adapters
+        the frozen base goes once, then the adapters alone, loaded in place as one LoRA of the engine's."""
+        if self.lora_rank is None or self.syncs == 0:
+            reload(self.llm, policy_weights(self.model, base=self.lora_rank is not None))
+        if self.lora_rank is not None:
+            from vllm.lora.request import LoRARequest
+
+            folder = os.path.join(self.folder, "policy")
+            write_adapters(self.model, folder)
+            self.lora = LoRARequest("policy", 1, folder, load_inplace=True)
         self.syncs += 1
 
     def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
-        return generate(self.llm, prompts, keys, params, self.vocab)
+        return generate(self.llm, prompts, keys, params, self.vocab, self.lora)
+
+
+def adapter_rank(model: Any) -> int | None:
+    """The rank of the policy's LoRA adapters, or None for full fine-tuning."""
+    from shardlm.models.lora import ADAPTER
+
+    configs = getattr(model.hf, "peft_config", None)
+    return configs[ADAPTER].r if configs else None
+
+
+def adapter_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """The policy's LoRA adapters, gathered (every rank: collective), under PEFT's saved names."""
+    from torch.distributed.tensor import DTensor
+
+    from shardlm.models import lora
+    from shardlm.models.state_keys import to_hf
+
+    state = {k: v for k, v in model.state_dict().items() if lora.is_adapter_key(k)}
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu").clone()
+            for k, v in state.items()}
+    return {lora.peft_adapter_key(k): v for k, v in to_hf(full).items()}
+
+
+def write_adapters(model: Any, folder: str, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """adapter_config.json and adapter_model.safetensors as PEFT writes them, what vLLM's LoRA loads."""
+    from safetensors.torch import save_file
+
+    from shardlm.models.lora import ADAPTER
+
+    os.makedirs(folder, exist_ok=True)
+    model.hf.peft_config[ADAPTER].save_pretrained(folder)
+    save_file(adapter_tensors(model) if tensors is None else tensors, os.path.join(folder, "adapter_model.safetensors"))
 
 
 def kv_cache_bytes(config: Any, max_model_len: int, rows: int, precision: str) -> int:
@@ -141,9 +190,10 @@ def kv_cache_bytes(config: Any, max_model_len: int, rows: int, precision: str) -
     return max(64 << 20, 2 * per_token * max_model_len * max(rows, 1))
 
 
-def policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def policy_weights(model: Any, base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights under the transformers names (the export's), one tensor at a time: each FSDP2 shard
-    gathered where it is needed; with LoRA, the adapters folded into their base weights first."""
+    gathered where it is needed; with LoRA, the adapters folded into their base weights first, or (`base`) left
+    out, the base alone."""
     from torch.distributed.tensor import DTensor
 
     from shardlm.models import lora
@@ -153,7 +203,8 @@ def policy_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     state = model.state_dict()
     if any(lora.is_adapter_key(k) for k in state):
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
-        merged = lora.inference_state(plain_state_dict(full), model, model.hf.config)
+        fold = lora.base_state if base else lora.inference_state
+        merged = fold(plain_state_dict(full), model, model.hf.config)
         yield from ((k, v.detach()) for k, v in to_hf(merged).items())
         return
     for key, value in state.items():

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from shardlm import ShardlmError
-from shardlm.objectives.rl.engine import generate, policy_weights, reload, start_engine
+from shardlm.objectives.rl.engine import adapter_rank, adapter_tensors, generate, policy_weights, reload, start_engine
 from shardlm.objectives.rl.sampling import Rollout, SamplingParams
 
 CHUNK = 64 << 20  # bytes of weights per /weights request
@@ -41,27 +41,45 @@ class Engine:
         self.spec: dict | None = None
         self.folder = ""
         self.vocab: int | None = None
+        self.lora: Any = None  # the policy's adapters as the engine's one LoRA, when the trainer sends them alone
+        self.adapter_config: dict | None = None
         self.pending: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
 
     def init(self, body: dict) -> dict:
         from transformers import AutoConfig
 
-        spec = {k: body[k] for k in ("config", "precision", "max_model_len", "seed", "rows")}
+        spec = {k: body.get(k) for k in ("config", "precision", "max_model_len", "seed", "rows", "lora_rank")}
         if spec != self.spec:
             config = AutoConfig.for_model(**body["config"])
             if self.llm is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
                 self.llm = None
             self.llm, self.folder = start_engine(config, body["precision"], body["max_model_len"], body["seed"],
-                                                 self.on_gpu, body["rows"], self.memory)
+                                                 self.on_gpu, body["rows"], self.memory,
+                                                 lora_rank=body.get("lora_rank"))
             self.spec = spec
-        self.vocab = body.get("vocab")
+        self.vocab, self.adapter_config, self.lora = body.get("vocab"), body.get("adapter_config"), None
+        return {"ok": True}
+
+    def adapters(self, payload: bytes) -> dict:
+        """The policy's LoRA adapters (safetensors bytes, PEFT's names), loaded in place as the engine's LoRA."""
+        import os
+
+        from vllm.lora.request import LoRARequest
+
+        folder = os.path.join(self.folder, "policy")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(self.adapter_config, f)
+        with open(os.path.join(folder, "adapter_model.safetensors"), "wb") as f:
+            f.write(payload)
+        self.lora = LoRARequest("policy", 1, folder, load_inplace=True)
         return {"ok": True}
 
     def generate(self, body: dict) -> dict:
         params = SamplingParams(**{**body["params"], "stop": tuple(body["params"]["stop"])})
-        out = generate(self.llm, body["prompts"], body["keys"], params, self.vocab)
+        out = generate(self.llm, body["prompts"], body["keys"], params, self.vocab, self.lora)
         return {"completions": out.completions, "logps": out.logps}
 
     def weights(self, payload: bytes) -> dict:
@@ -103,6 +121,8 @@ def serve(host: str, port: int, on_gpu: bool, gpu_memory_utilization: float = 0.
                         body = engine.weights(payload)
                     elif self.path == "/weights/done":
                         body = engine.weights_done()
+                    elif self.path == "/adapters":
+                        body = engine.adapters(payload)
                     elif self.path in ("/init", "/generate"):
                         request = json.loads(payload)
                         body = engine.init(request) if self.path == "/init" else engine.generate(request)
@@ -156,9 +176,16 @@ class ServerSampler:
         self.url, self.timeout = server_url(g), g.vllm_server_timeout
         wait_for_server(g)
         config = model.hf.config
+        self.lora_rank = adapter_rank(model) if g.vllm_lora_adapters else None
         if dist.is_main:
+            adapter_config = None
+            if self.lora_rank is not None:
+                from shardlm.models.lora import ADAPTER
+
+                adapter_config = json.loads(json.dumps(model.hf.peft_config[ADAPTER].to_dict(), default=list))
             self._post("/init", {"config": config.to_dict(), "precision": precision, "max_model_len": max_model_len,
-                                 "seed": seed, "rows": rows * dist.world_size,
+                                 "seed": seed, "rows": rows * dist.world_size, "lora_rank": self.lora_rank,
+                                 "adapter_config": adapter_config,
                                  "vocab": vocab if vocab is not None and vocab < config.vocab_size else None})
         self._barrier()
 
@@ -180,12 +207,25 @@ class ServerSampler:
             torch.distributed.barrier()
 
     def sync(self) -> None:
-        """Every rank gathers (collective); rank 0 sends the weights in chunks; the others wait for the reload."""
+        """Every rank gathers (collective); rank 0 sends the weights in chunks; the others wait for the reload.
+        With LoRA adapters the base goes once, then the adapters alone."""
+        from safetensors.torch import save
+
+        if self.lora_rank is None or self.syncs == 0:
+            self._send_weights(base=self.lora_rank is not None)
+        if self.lora_rank is not None:
+            tensors = adapter_tensors(self.model)
+            if self.dist.is_main:
+                self._post("/adapters", payload=save(tensors))
+        self._barrier()
+        self.syncs += 1
+
+    def _send_weights(self, base: bool) -> None:
         from safetensors.torch import save
 
         chunk: dict[str, torch.Tensor] = {}
         size = 0
-        for name, tensor in policy_weights(self.model):
+        for name, tensor in policy_weights(self.model, base=base):
             if not self.dist.is_main:
                 continue
             chunk[name] = tensor.detach().to("cpu").clone()  # safetensors refuses tensors sharing storage
@@ -197,8 +237,6 @@ class ServerSampler:
             if chunk:
                 self._post("/weights", payload=save(chunk))
             self._post("/weights/done", {})
-        self._barrier()
-        self.syncs += 1
 
     def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
         got = self._post("/generate", {"prompts": [list(p) for p in prompts], "keys": list(keys),
