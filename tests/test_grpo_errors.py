@@ -97,6 +97,9 @@ CASES = {  # row: (overrides, the message's telling part)
             "vllm-serve --port 9`"),
     "246": (["grpo.max_staleness=1"], "grpo.max_staleness=1 generates rounds ahead on a vLLM server while the "
                                       "steps train: set grpo.use_vllm=true and grpo.vllm_mode=server"),
+    "247": (["grpo.dynamic_sampling=true", "grpo.use_vllm=true", "grpo.vllm_mode=server", "grpo.max_staleness=1"],
+            "grpo.dynamic_sampling decides which prompts a round holds from its rewards, while grpo.max_staleness "
+            "samples rounds ahead of time: use one of them."),
     "244": (["grpo.vllm_importance_sampling_mode=sequence-mask"], "grpo.vllm_importance_sampling_mode="
             "'sequence-mask' is not one of token_truncate, token_mask, sequence_truncate, sequence_mask. Did you mean "
             "'sequence_mask'\\?"),

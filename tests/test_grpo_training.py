@@ -219,3 +219,21 @@ def test_a_round_for_two_steps_on_two_ranks_is_one_process(rl_data, cache_dir, t
     for a, b in zip(got, want, strict=True):
         assert a.get("reward") == b.get("reward")
         assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-4, abs=1e-6)
+
+
+def test_dynamic_sampling_drops_equal_groups_alike_on_one_and_two_ranks(rl_data, cache_dir, tmp_path):
+    """grpo.dynamic_sampling (DAPO): groups whose completions all got the same reward are dropped and the next
+    prompts sampled until the round is full of groups that teach; 2 ranks (each sampling its share of every
+    candidate round, the groups gathered) keep the same groups as one process."""
+    base = {"train.batch_size": 8, "grpo.group": 2, "train.max_steps": 4, "grpo.dynamic_sampling": True,
+            "grpo.max_completion_length": 2}
+    shardlm_cli(["train", *rl_args(rl_data, cache_dir, tmp_path / "one", **base)])
+    shardlm_cli(["train", *rl_args(rl_data, cache_dir, tmp_path / "two", **{**base, "train.batch_size": 4})],
+                nproc=2)
+    one, two = records(tmp_path / "one"), records(tmp_path / "two")
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in one) > 0
+    assert all(r["frac_reward_zero_std"] == 0 for r in one if r["dynamic_sampling/filled_groups"] == 0)
+    for a, b in zip(two, one, strict=True):
+        assert a["reward"] == b["reward"]
+        assert a["dynamic_sampling/dropped_groups"] == b["dynamic_sampling/dropped_groups"]
+        assert (a["loss"], a["grad_norm"]) == pytest.approx((b["loss"], b["grad_norm"]), rel=1e-4, abs=1e-6)

@@ -65,6 +65,11 @@ def check_grpo(cfg: Config) -> None:
                            f"feeds whole optimizer steps of train.grad_accum={t.grad_accum}: set it to a multiple of "
                            f"{t.grad_accum} (e.g. {2 * t.grad_accum}: a round for 2 steps), or null.")
     reward_weights(g)
+    _range("grpo.dynamic_sampling_max_rounds", g.dynamic_sampling_max_rounds, g.dynamic_sampling_max_rounds >= 0,
+           ">= 0")
+    if g.dynamic_sampling and g.max_staleness:
+        raise ShardlmError("grpo.dynamic_sampling decides which prompts a round holds from its rewards, while "
+                           "grpo.max_staleness samples rounds ahead of time: use one of them.")
     check_engine(g)
 
 

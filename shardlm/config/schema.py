@@ -155,6 +155,8 @@ class GrpoConfig:
     length_cache: int | None = None  # reward `length`: DAPO's soft zone before max_completion_length; null = a quarter
     steps_per_generation: int | None = None  # micro-batches a round feeds (TRL's), a multiple of grad_accum; null = it
     generation_batch_size: int | None = None  # or the round's completions over every rank; null = one step's
+    dynamic_sampling: bool = False  # DAPO: groups of equal rewards dropped, more prompts sampled to fill the round
+    dynamic_sampling_max_rounds: int = 3  # extra generation rounds at most; then dropped groups fill the round
     use_vllm: bool = False  # completions from vLLM (pip install shardlm[vllm]) instead of the built-in sampler
     vllm_mode: str = "colocate"  # colocate: an engine in each trainer process | server: `shardlm vllm-serve`
     vllm_gpu_memory_utilization: float = 0.3  # colocate on a GPU: the engine's share of its memory (TRL's default)

@@ -67,6 +67,15 @@ def _batch_scaled(per_func: torch.Tensor, weights: torch.Tensor, group: int, all
 def score_round(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list[list[int]], keys: Sequence[int],
                 rewards: RewardSet, g: GrpoConfig, params: SamplingParams, objective: str = "grpo",
                 all_reduce: AllReduce | None = None) -> ScoredRound:
+    rollout, texts, per_func = sample_and_reward(sampler, tok, prompts, prompt_ids, keys, rewards, g, params,
+                                                 all_reduce)
+    return with_advantages(rollout, texts, per_func, rewards, g, objective, all_reduce)
+
+
+def sample_and_reward(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list[list[int]],
+                      keys: Sequence[int], rewards: RewardSet, g: GrpoConfig, params: SamplingParams,
+                      all_reduce: AllReduce | None = None) -> tuple[Rollout, list[str], torch.Tensor]:
+    """The completions of a round, decoded, and each reward function's value of each (NaN: it returned None)."""
     rollout = sampler.sample(prompt_ids, keys, params)
     texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
     owners = [prompts[i // g.group] for i in range(len(texts))]
@@ -75,6 +84,12 @@ def score_round(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list
                                                           zip(texts, owners, strict=True)],
                              rollout.completions, fields)
     check_applied(per_func, rewards, all_reduce)
+    return rollout, texts, per_func
+
+
+def with_advantages(rollout: Rollout, texts: list[str], per_func: torch.Tensor, rewards: RewardSet, g: GrpoConfig,
+                    objective: str = "grpo", all_reduce: AllReduce | None = None) -> ScoredRound:
+    """The round's advantages (grpo's, or rloo's leave-one-out) and loss mask."""
     weights = rewards.weight_tensor
     if objective == "rloo":
         scored = rloo_advantages(per_func, weights, g.group, g.normalize_advantages)

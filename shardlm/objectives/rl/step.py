@@ -41,6 +41,7 @@ from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.preference.reference import frozen_reference
 from shardlm.objectives.rl import checks, memory
 from shardlm.objectives.rl.correction import correct, correction_stats, sampler_logps
+from shardlm.objectives.rl.dynamic import dynamic_round
 from shardlm.objectives.rl.engine import VLLMSampler
 from shardlm.objectives.rl.logps import micro_batch, shared_batch, shared_pays
 from shardlm.objectives.rl.loss import (
@@ -260,15 +261,19 @@ class RLStep(Defaults):
         return ([rows.prompt(int(order[j])) for j in mine], [rows.token_ids(int(order[j])) for j in mine],
                 [position + j for j in mine])
 
-    def _new_round(self, order: np.ndarray, position: int, ready: tuple[Any, int] | None = None) -> Round:
-        """The round at `position`: sampled now, or `ready` (generated ahead: its rollout and the step count of
-        the weights that sampled it), then scored."""
-        prompts, ids, keys = self._share(order, position)
-        sampler: Any = self.sampler if ready is None else Sampled(ready[0])
-        with eager(), self.autocast():  # the run's compute context (plain bf16's blocks expect autocast)
-            scored = score_round(sampler, self.tok, prompts, ids, keys, self.rewards, self.g, self.params,
-                                 self.objective, self.all_reduce)
-        metrics = round_metrics(scored, self.rewards.metric_names, self.all_reduce)
+    def _new_round(self, loop: Loop, position: int, ready: tuple[Any, int] | None = None) -> Round:
+        """The round at `position`: sampled now (with dynamic sampling, until its groups' rewards differ), or
+        `ready` (generated ahead: its rollout and the step count of the weights that sampled it), then scored."""
+        extra: dict[str, float] = {}
+        if self.g.dynamic_sampling:
+            scored, self.taken, extra = dynamic_round(self, loop, position)
+        else:
+            prompts, ids, keys = self._share(loop.sampler.indices(position, self.taken), position)
+            sampler: Any = self.sampler if ready is None else Sampled(ready[0])
+            with eager(), self.autocast():  # the run's compute context (plain bf16's blocks expect autocast)
+                scored = score_round(sampler, self.tok, prompts, ids, keys, self.rewards, self.g, self.params,
+                                     self.objective, self.all_reduce)
+        metrics = round_metrics(scored, self.rewards.metric_names, self.all_reduce) | extra
         if self.ahead:
             metrics["sampling/policy_lag"] = float(self.trained - (self.synced_at if ready is None else ready[1]))
         r = scored.rollout
@@ -379,8 +384,8 @@ class RLStep(Defaults):
             count = self.per_step * self.steps
             ready = self._ready(loop.position) if self.ahead else None  # its generation is over: the engine is free
             self.sync_engine(self.g.weight_sync_steps)
-            self.round = self._new_round(loop.sampler.indices(loop.position, count), loop.position, ready)
-            self.taken = count
+            self.taken = count  # dynamic sampling may take more
+            self.round = self._new_round(loop, loop.position, ready)
             while len(self.pending) < self.ahead:  # the next rounds, sampled while this one trains
                 self._launch(loop, loop.position + count * (len(self.pending) + 1))
         self.since_sync += 1  # the optimizer step that follows
