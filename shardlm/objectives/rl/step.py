@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -40,6 +38,7 @@ from shardlm.objectives.base import Footprint, Loop, MemoryTerms, StepOut
 from shardlm.objectives.defaults import Defaults
 from shardlm.objectives.preference.reference import frozen_reference
 from shardlm.objectives.rl import checks, memory
+from shardlm.objectives.rl.ahead import Pipeline, Sampled
 from shardlm.objectives.rl.correction import correct, correction_stats, sampler_logps
 from shardlm.objectives.rl.dynamic import dynamic_round
 from shardlm.objectives.rl.engine import VLLMSampler
@@ -73,24 +72,6 @@ class MicroBatch:
     attention: torch.Tensor | None = None  # shared_batch's 4D mask: rows hold a prompt and its completions
     sampling: torch.Tensor | None = None  # (rows, T) the sampler's own (its importance-sampling correction)
     weights: torch.Tensor | None = None  # that correction's ratios, (rows, T) or (rows, 1), once computed
-
-
-@dataclass
-class Pending:
-    """A round being generated ahead: where in the data order it starts, and the step count of the weights."""
-    position: int
-    future: Future
-    synced_at: int
-
-
-class Sampled:
-    """A `Sampler` that hands back a rollout generated ahead."""
-
-    def __init__(self, rollout: Any):
-        self.rollout = rollout
-
-    def sample(self, prompts: Any, keys: Any, params: Any) -> Any:
-        return self.rollout
 
 
 @dataclass
@@ -196,8 +177,7 @@ class RLStep(Defaults):
         self.since_sync = 0  # optimizer steps since the engine took the policy's weights
         self.trained, self.synced_at = 0, 0  # optimizer steps so far; their count when the engine last synced
         self.ahead = g.max_staleness  # rounds generated ahead on the server (asynchronous generation)
-        self.pending: deque[Pending] = deque()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardlm-rollout") if self.ahead else None
+        self.pipeline = Pipeline(self.ahead)
         # TRL's vLLM importance-sampling correction, for any sampler that gives its log-probabilities (grpo's loss)
         self.correct = g.vllm_importance_sampling_correction and self.objective == "grpo"
         stop = [t for t in (end_of_turn_id(self.tok), self.tok.eos_token_id) if t is not None]
@@ -358,23 +338,6 @@ class RLStep(Defaults):
             self.engine.sync()
             self.since_sync, self.synced_at = 0, self.trained
 
-    def _launch(self, loop: Loop, position: int) -> None:
-        """This rank's share of the round at `position`, sent to the server on a background thread."""
-        assert self.pool is not None
-        prompts, ids, keys = self._share(loop.sampler.indices(position, self.per_step * self.steps), position)
-        self.pending.append(Pending(position, self.pool.submit(self.sampler.sample, ids, keys, self.params),
-                                    self.synced_at))
-
-    def _ready(self, position: int) -> tuple[Any, int] | None:
-        """The round generated ahead for `position` and the step count of the weights that sampled it, or None
-        (none pending: the first round, or one after a resume)."""
-        while self.pending:
-            p = self.pending.popleft()
-            rollout = p.future.result()
-            if p.position == position:
-                return rollout, p.synced_at
-        return None
-
     # ---- a step -------------------------------------------------------------------------------------------------
     def micro_steps(self, loop: Loop) -> StepOut:
         """A step's forwards and backwards: (1, this rank's share of the step's loss, the step's statistics over
@@ -382,12 +345,13 @@ class RLStep(Defaults):
         self.taken = 0
         if self.cycle_done():
             count = self.per_step * self.steps
-            ready = self._ready(loop.position) if self.ahead else None  # its generation is over: the engine is free
+            ready = self.pipeline.take(loop.position)  # its generation is over: the engine is free
             self.sync_engine(self.g.weight_sync_steps)
             self.taken = count  # dynamic sampling may take more
             self.round = self._new_round(loop, loop.position, ready)
-            while len(self.pending) < self.ahead:  # the next rounds, sampled while this one trains
-                self._launch(loop, loop.position + count * (len(self.pending) + 1))
+            for position in self.pipeline.wanted(loop.position, count):  # sampled while this round trains
+                _, ids, keys = self._share(loop.sampler.indices(position, count), position)
+                self.pipeline.launch(position, self.sampler, ids, keys, self.params, self.synced_at)
         self.since_sync += 1  # the optimizer step that follows
         self.trained += 1
         r = self.round
