@@ -10,6 +10,7 @@ import json
 import pytest
 
 from helpers import refusal, tiny
+from shardlm import ShardlmError
 
 CHAT = [{"role": "user", "content": "Reverse: abc"}, {"role": "assistant", "content": "cba"}]
 REWARDS = '''
@@ -181,3 +182,19 @@ def test_a_resume_refused_for_its_reward_leaves_the_run_as_it_was(folder):
     message = refusal(["resume", str(run), "train.max_steps=2", "grpo.rewards=[rewards:boom]"])
     assert "reward 'rewards:boom' raised ZeroDivisionError" in message
     assert folder_digest(run) == digest
+
+
+def test_a_lora_rank_vllm_cannot_apply_is_refused():
+    """Row 248: LoRA adapters sent to vLLM at a rank above the largest it applies (checked with the grpo section,
+    here on the section alone: a LoRA run needs a pretrained folder the refusal does not)."""
+    from shardlm.config import load_config
+    from shardlm.config.grpo import check_grpo
+
+    cfg = load_config(None, ["train.objective=grpo", "grpo.use_vllm=true", "grpo.vllm_mode=server",
+                             "train.batch_size=8", "data.seq_len=1024"])
+    cfg.lora.r = 1024
+    with pytest.raises(ShardlmError, match=r"^lora.r=1024 is above the largest LoRA rank vLLM applies \(512\): "
+                                           r"set grpo.vllm_lora_adapters=false to send it merged weights"):
+        check_grpo(cfg)
+    cfg.grpo.vllm_lora_adapters = False
+    check_grpo(cfg)

@@ -15,6 +15,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_LEVELS = ("token", "sequence")
 SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's
 VLLM_MODES = ("colocate", "server")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
 
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -71,6 +72,10 @@ def check_grpo(cfg: Config) -> None:
         raise ShardlmError("grpo.dynamic_sampling decides which prompts a round holds from its rewards, while "
                            "grpo.max_staleness samples rounds ahead of time: use one of them.")
     check_engine(g)
+    if g.use_vllm and g.vllm_lora_adapters and cfg.lora.r > VLLM_LORA_RANKS[-1]:
+        raise ShardlmError(f"lora.r={cfg.lora.r} is above the largest LoRA rank vLLM applies "
+                           f"({VLLM_LORA_RANKS[-1]}): set grpo.vllm_lora_adapters=false to send it merged weights, "
+                           f"or lora.r <= {VLLM_LORA_RANKS[-1]}.")
 
 
 def check_engine(g: GrpoConfig) -> None:

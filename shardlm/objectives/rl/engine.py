@@ -30,15 +30,13 @@ from typing import Any
 import torch
 
 from shardlm import ShardlmError
-from shardlm.config.grpo import require_vllm
+from shardlm.config.grpo import VLLM_LORA_RANKS, require_vllm
 from shardlm.objectives.rl.sampling import Rollout, SamplingParams, row_seed
 
 
 def engine_dtype(precision: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")
 
-
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
 
 
 def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_gpu: bool, rows: int,
@@ -64,7 +62,7 @@ def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_
         extra["distributed_executor_backend"] = "external_launcher"  # TRL's colocate: one engine per rank
     if lora_rank:
         extra |= {"enable_lora": True, "max_loras": 1,
-                  "max_lora_rank": next((r for r in LORA_RANKS if r >= lora_rank), lora_rank)}
+                  "max_lora_rank": next((r for r in VLLM_LORA_RANKS if r >= lora_rank), lora_rank)}
     try:
         llm = LLM(model=folder, skip_tokenizer_init=True, load_format="dummy", dtype=engine_dtype(precision),
                   max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs",
