@@ -199,12 +199,14 @@ def server(tmp_path_factory):
 
 
 def test_a_server_trains_what_the_colocated_engine_trains(uninterrupted, server, rl_data, cache_dir, tmp_path):
-    """The trainer sends the config and the weights over HTTP; one process and 2 ranks (each its own prompts,
-    rank 0 the weights) get the colocated run's completions and steps."""
+    """The trainer sends the config over HTTP and the weights over a gloo group with the server (one process) or
+    over HTTP (2 ranks: each its own prompts, rank 0 the weights): both get the colocated run's completions and
+    steps."""
     port, log = server
     settings = {"grpo.vllm_mode": "server", "grpo.vllm_server_host": "127.0.0.1", "grpo.vllm_server_port": port}
     shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "one", **settings))
-    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "two", **settings, **{"train.batch_size": 4}), nproc=2)
+    shardlm_cli(vllm_args(rl_data, cache_dir, tmp_path / "two", **settings, **{
+        "train.batch_size": 4, "grpo.vllm_weight_transfer": "http"}), nproc=2)
     want = records(uninterrupted)
     for run in ("one", "two"):
         got = records(tmp_path / run)

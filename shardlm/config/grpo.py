@@ -100,6 +100,8 @@ def check_engine(g: GrpoConfig) -> None:
     if g.vllm_mode == "colocate":  # a server's trainer needs no vLLM of its own
         require_vllm()
     _range("grpo.vllm_server_port", g.vllm_server_port, 0 < g.vllm_server_port < 65536, "a port, 1-65535")
+    _range("grpo.vllm_group_port", g.vllm_group_port, 0 < g.vllm_group_port < 65536, "a port, 1-65535")
+    _choice("grpo.vllm_weight_transfer", g.vllm_weight_transfer, ("group", "http"))
     _range("grpo.vllm_server_timeout", g.vllm_server_timeout, g.vllm_server_timeout > 0, "> 0 seconds")
     _range("grpo.vllm_gpu_memory_utilization", g.vllm_gpu_memory_utilization,
            0 < g.vllm_gpu_memory_utilization < 1, "in (0, 1)")

@@ -165,6 +165,8 @@ class GrpoConfig:
     vllm_server_host: str = "0.0.0.0"  # server: where `shardlm vllm-serve` listens (0.0.0.0: this machine)
     vllm_server_port: int = 8000  # server: its port
     vllm_server_timeout: float = 240.0  # server: seconds to wait for it to answer, at the start and per request
+    vllm_weight_transfer: str = "group"  # server: group (a gloo group with rank 0, vllm_group_port) | http
+    vllm_group_port: int = 51216  # server: the weight group's port on the trainer's rank 0 (TRL's default)
     weight_sync_steps: int = 1  # optimizer steps between pushes of the policy's weights into the engine
     vllm_lora_adapters: bool = True  # LoRA: the engine applies the adapters (sent alone); false: merged weights
     max_staleness: int = 0  # server: rounds generated ahead while steps train (asynchronous); 0 = synchronous

@@ -12,6 +12,7 @@ trainer and the engine (TRL's communicator, vLLM's weight-transfer engines) is n
 
 from __future__ import annotations
 
+import datetime
 import json
 import shutil
 import threading
@@ -45,6 +46,8 @@ class Engine:
         self.adapter_config: dict | None = None
         self.pending: dict[str, torch.Tensor] = {}
         self.lock = threading.Lock()
+        self.group: Any = None  # the weight group with the trainer's rank 0 (grpo.vllm_weight_transfer=group)
+        self.joining = threading.Thread()
 
     def init(self, body: dict) -> dict:
         from transformers import AutoConfig
@@ -88,6 +91,27 @@ class Engine:
         self.pending.update(load(payload))
         return {"ok": True}
 
+    def init_group(self, body: dict, trainer_host: str) -> dict:
+        """Join the trainer's weight group (gloo; the trainer's rank 0 holds its store) on a thread of its own:
+        the trainer joins after this request returns."""
+        def join() -> None:
+            self.group = weight_group(trainer_host, body["port"], rank=1, timeout=body["timeout"])
+
+        self.group, self.joining = None, threading.Thread(target=join, daemon=True)
+        self.joining.start()
+        return {"ok": True}
+
+    def weights_group(self, body: dict) -> dict:
+        """A chunk of weights broadcast by the trainer, tensor by tensor in the order `body` lists them."""
+        self.joining.join()
+        if self.group is None:
+            raise RuntimeError("the weight group with the trainer did not form")
+        for name, shape, dtype in body["tensors"]:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            broadcast(self.group, tensor)
+            self.pending[name] = tensor
+        return {"ok": True}
+
     def weights_done(self) -> dict:
         reload(self.llm, iter(list(self.pending.items())))
         self.pending.clear()
@@ -123,6 +147,10 @@ def serve(host: str, port: int, on_gpu: bool, gpu_memory_utilization: float = 0.
                         body = engine.weights_done()
                     elif self.path == "/adapters":
                         body = engine.adapters(payload)
+                    elif self.path == "/init_group":
+                        body = engine.init_group(json.loads(payload), self.client_address[0])
+                    elif self.path == "/weights_group":
+                        body = engine.weights_group(json.loads(payload))
                     elif self.path in ("/init", "/generate"):
                         request = json.loads(payload)
                         body = engine.init(request) if self.path == "/init" else engine.generate(request)
@@ -140,6 +168,22 @@ def serve(host: str, port: int, on_gpu: bool, gpu_memory_utilization: float = 0.
         pass
     finally:
         server.server_close()
+
+
+def weight_group(host: str, port: int, rank: int, timeout: float) -> Any:
+    """A two-member gloo group, the trainer's rank 0 (rank 0, holding the store) and the server (rank 1), apart
+    from the trainer's own process group: what the weights are broadcast over."""
+    from torch.distributed import ProcessGroupGloo, TCPStore
+
+    limit = datetime.timedelta(seconds=timeout)
+    store = TCPStore(host, port, 2, rank == 0, timeout=limit, wait_for_workers=False)
+    return ProcessGroupGloo(store, rank, 2, limit), store
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group[0].broadcast([tensor], options).wait()
 
 
 # ---- the trainer's side ----------------------------------------------------------------------------------------
@@ -174,6 +218,9 @@ class ServerSampler:
                  vocab: int | None = None, rows: int = 64):
         self.model, self.dist, self.syncs = model, dist, 0
         self.url, self.timeout = server_url(g), g.vllm_server_timeout
+        self.transfer, self.group_port = g.vllm_weight_transfer, g.vllm_group_port
+        self.group: Any = None  # (gloo group, its store) with the server, formed at the first sync
+        self.sender: Any = None
         wait_for_server(g)
         config = model.hf.config
         self.lora_rank = adapter_rank(model) if g.vllm_lora_adapters else None
@@ -221,8 +268,6 @@ class ServerSampler:
         self.syncs += 1
 
     def _send_weights(self, base: bool) -> None:
-        from safetensors.torch import save
-
         chunk: dict[str, torch.Tensor] = {}
         size = 0
         for name, tensor in policy_weights(self.model, base=base):
@@ -231,12 +276,36 @@ class ServerSampler:
             chunk[name] = tensor.detach().to("cpu").clone()  # safetensors refuses tensors sharing storage
             size += tensor.numel() * tensor.element_size()
             if size >= CHUNK:
-                self._post("/weights", payload=save(chunk))
+                self._send_chunk(chunk)
                 chunk, size = {}, 0
         if self.dist.is_main:
             if chunk:
-                self._post("/weights", payload=save(chunk))
+                self._send_chunk(chunk)
             self._post("/weights/done", {})
+
+    def _send_chunk(self, chunk: dict[str, torch.Tensor]) -> None:
+        """Over HTTP as safetensors bytes, or broadcast over the weight group while the server's request for it
+        waits (the names, shapes and dtypes go by HTTP)."""
+        from safetensors.torch import save
+
+        if self.transfer == "http":
+            self._post("/weights", payload=save(chunk))
+            return
+        if self.group is None:  # formed at the first sync: the server joins while this rank holds the store
+            from concurrent.futures import ThreadPoolExecutor
+
+            store = torch.distributed.TCPStore("0.0.0.0", self.group_port, 2, True, wait_for_workers=False,
+                                               timeout=datetime.timedelta(seconds=self.timeout))
+            self._post("/init_group", {"port": self.group_port, "timeout": self.timeout})
+            from torch.distributed import ProcessGroupGloo
+
+            self.group = ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=self.timeout)), store
+            self.sender = ThreadPoolExecutor(1, thread_name_prefix="shardlm-weights")
+        meta = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in chunk.items()]
+        reply = self.sender.submit(self._post, "/weights_group", {"tensors": meta})
+        for tensor in chunk.values():
+            broadcast(self.group, tensor)
+        reply.result()
 
     def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
         got = self._post("/generate", {"prompts": [list(p) for p in prompts], "keys": list(keys),
