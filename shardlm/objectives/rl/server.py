@@ -2,12 +2,13 @@
 own GPUs, or vLLM's CPU build), and the trainer's ranks reach it over HTTP as TRL's `trl vllm-serve` does.
 
 The trainer's rank 0 tells the server the model's config (`/init`: the engine starts with dummy weights, as the
-colocated one does) and pushes the policy's weights after every `grpo.weight_sync_steps` optimizer steps
-(`/weights` in chunks of safetensors bytes, never pickles, then `/weights/done`, which reloads them in place and
-resets the prefix cache); every rank sends its own prompts to `/generate` and gets token ids and processed
-log-probabilities back, each completion seeded by its key, so 2 ranks sample what 1 process samples. Weights
-travel over HTTP: simple and the same on every machine, at the cost of a copy through the host; NCCL between the
-trainer and the engine (TRL's communicator, vLLM's weight-transfer engines) is not built yet.
+colocated one does) and pushes the policy's weights after every `grpo.weight_sync_steps` optimizer steps: broadcast
+over a gloo group of two (rank 0 and the server, apart from the trainer's own process group; the names, shapes
+and dtypes by `/weights_group`), or with `grpo.vllm_weight_transfer=http` as safetensors chunks (`/weights`, never
+pickles); `/weights/done` reloads them in place and resets the prefix cache. Every rank sends its own prompts to
+`/generate` and gets token ids and processed log-probabilities back, each completion seeded by its key, so 2 ranks
+sample what 1 process samples. The group is gloo, so on GPUs the weights pass through host memory; NCCL between
+the trainer and the engine (TRL's communicator) is not built yet.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class Engine:
         """Join the trainer's weight group (gloo; the trainer's rank 0 holds its store) on a thread of its own:
         the trainer joins after this request returns."""
         def join() -> None:
-            self.group = weight_group(trainer_host, body["port"], rank=1, timeout=body["timeout"])
+            self.group = weight_group(group_store(trainer_host, body["port"], body["timeout"], False), 1,
+                                      body["timeout"])
 
         self.group, self.joining = None, threading.Thread(target=join, daemon=True)
         self.joining.start()
@@ -170,14 +172,20 @@ def serve(host: str, port: int, on_gpu: bool, gpu_memory_utilization: float = 0.
         server.server_close()
 
 
-def weight_group(host: str, port: int, rank: int, timeout: float) -> Any:
-    """A two-member gloo group, the trainer's rank 0 (rank 0, holding the store) and the server (rank 1), apart
-    from the trainer's own process group: what the weights are broadcast over."""
-    from torch.distributed import ProcessGroupGloo, TCPStore
+def group_store(host: str, port: int, timeout: float, holder: bool) -> Any:
+    """The weight group's store: held by the trainer's rank 0 (`holder`, listening on all addresses), reached by
+    the server at the address the trainer's requests come from."""
+    from torch.distributed import TCPStore
 
-    limit = datetime.timedelta(seconds=timeout)
-    store = TCPStore(host, port, 2, rank == 0, timeout=limit, wait_for_workers=False)
-    return ProcessGroupGloo(store, rank, 2, limit), store
+    return TCPStore(host, port, 2, holder, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def weight_group(store: Any, rank: int, timeout: float) -> Any:
+    """A two-member gloo group, the trainer's rank 0 (rank 0) and the server (rank 1), apart from the trainer's
+    own process group: what the weights are broadcast over. Each side blocks here until the other joins."""
+    from torch.distributed import ProcessGroupGloo
+
+    return ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout)), store
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> None:
@@ -294,12 +302,9 @@ class ServerSampler:
         if self.group is None:  # formed at the first sync: the server joins while this rank holds the store
             from concurrent.futures import ThreadPoolExecutor
 
-            store = torch.distributed.TCPStore("0.0.0.0", self.group_port, 2, True, wait_for_workers=False,
-                                               timeout=datetime.timedelta(seconds=self.timeout))
+            store = group_store("0.0.0.0", self.group_port, self.timeout, True)
             self._post("/init_group", {"port": self.group_port, "timeout": self.timeout})
-            from torch.distributed import ProcessGroupGloo
-
-            self.group = ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=self.timeout)), store
+            self.group = weight_group(store, 0, self.timeout)
             self.sender = ThreadPoolExecutor(1, thread_name_prefix="shardlm-weights")
         meta = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in chunk.items()]
         reply = self.sender.submit(self._post, "/weights_group", {"tensors": meta})
