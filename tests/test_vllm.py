@@ -7,8 +7,8 @@ learns, 2 ranks (an engine each) train what one process trains, and a killed run
 restarts with dummy weights and takes the checkpoint's at its first round); a LoRA policy's adapters alone reach the
 engine (its base once), which trains what merged weights train, and grpo.weight_sync_steps=2 lets the engine lag a
 step, which the recorded sampler/trainer difference shows. With `shardlm vllm-serve` (grpo.vllm_mode=server) one
-process and 2 ranks train what the colocated engine trains. Engines are Llama-shaped with heads of 64: vLLM's CPU
-attention refuses smaller heads (which is the engine-refusal row's case)."""
+process and 2 ranks train what the colocated engine trains. Engines have heads of 64: vLLM's CPU attention refuses
+smaller ones (the refusal row's case)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,11 +48,12 @@ def llama(vocab: int = 300):
 
 
 def engine_for(hf):
+    from shardlm.config.schema import GrpoConfig
     from shardlm.models.causal_lm import CausalLM
     from shardlm.objectives.rl.engine import VLLMSampler
 
     model = CausalLM(hf)
-    g = SimpleNamespace(vllm_gpu_memory_utilization=0.3, vllm_enable_sleep_mode=False)
+    g = GrpoConfig()  # the defaults: colocate
     return model, VLLMSampler(model, g, 64, "fp32", 0, torch.device("cpu"), rows=8)
 
 
@@ -70,7 +70,6 @@ def gap(model, rollout) -> float:
 
 
 def test_a_synced_engine_scores_as_the_trainer_and_a_stale_one_is_caught():
-    from shardlm import ShardlmError
     from shardlm.objectives.rl.sampling import SamplingParams
 
     model, engine = engine_for(llama())
@@ -92,9 +91,23 @@ def test_a_synced_engine_scores_as_the_trainer_and_a_stale_one_is_caught():
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    with pytest.raises(ShardlmError, match=r"^vLLM could not start an engine for this model \(GPT2Config, gpt2\): "
-                                           r".*Set grpo.use_vllm=false"):
-        engine_for(GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_head=2, n_layer=1)))
+    torch.manual_seed(0)  # a from-scratch GPT-2 (its config names no architecture): the engine runs it as a causal LM
+    gpt2, engine = engine_for(GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=64, n_embd=128, n_head=2,
+                                                         n_layer=1, initializer_range=0.2, resid_pdrop=0.0,
+                                                         embd_pdrop=0.0, attn_pdrop=0.0)))  # RL runs no dropout
+    engine.sync()
+    assert gap(gpt2, engine.sample(prompts, [10, 11], params)) < 1e-4
+    engine.close()
+
+
+def test_heads_the_cpu_engine_refuses_are_one_line_before_the_model_loads(rl_data, cache_dir, tmp_path):
+    """Row 245: vLLM's CPU attention takes heads of 64 or more; the run and its dry run say so in one line."""
+    from helpers import refusal
+
+    args = vllm_args(rl_data, cache_dir, tmp_path, **{"model.n_embd": 32})
+    dry = refusal([*args, "--dry-run"])
+    assert dry.startswith("vLLM's CPU attention needs heads of 64 or more; this model's are 16 (32 / 2 heads)")
+    assert refusal(args) == dry and not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.fixture(scope="module")

@@ -71,14 +71,14 @@ def check_grpo(cfg: Config) -> None:
     if g.dynamic_sampling and g.max_staleness:
         raise ShardlmError("grpo.dynamic_sampling decides which prompts a round holds from its rewards, while "
                            "grpo.max_staleness samples rounds ahead of time: use one of them.")
-    check_engine(g)
+    check_engine(g, cfg.data.seq_len)
     if g.use_vllm and g.vllm_lora_adapters and cfg.lora.r > VLLM_LORA_RANKS[-1]:
         raise ShardlmError(f"lora.r={cfg.lora.r} is above the largest LoRA rank vLLM applies "
                            f"({VLLM_LORA_RANKS[-1]}): set grpo.vllm_lora_adapters=false to send it merged weights, "
                            f"or lora.r <= {VLLM_LORA_RANKS[-1]}.")
 
 
-def check_engine(g: GrpoConfig) -> None:
+def check_engine(g: GrpoConfig, seq_len: int) -> None:
     """The inference engine's keys and the sampler/trainer correction's, TRL's names and meanings."""
     _choice("grpo.vllm_importance_sampling_mode", g.vllm_importance_sampling_mode, SAMPLING_MODES)
     for name in ("clip_max", "clip_min"):
@@ -105,8 +105,10 @@ def check_engine(g: GrpoConfig) -> None:
     _range("grpo.vllm_server_timeout", g.vllm_server_timeout, g.vllm_server_timeout > 0, "> 0 seconds")
     _range("grpo.vllm_gpu_memory_utilization", g.vllm_gpu_memory_utilization,
            0 < g.vllm_gpu_memory_utilization < 1, "in (0, 1)")
-    if g.vllm_max_model_length is not None:
-        _range("grpo.vllm_max_model_length", g.vllm_max_model_length, g.vllm_max_model_length >= 2, ">= 2")
+    if g.vllm_max_model_length is not None and g.vllm_max_model_length < seq_len:
+        raise ShardlmError(f"grpo.vllm_max_model_length={g.vllm_max_model_length} is shorter than data.seq_len="
+                           f"{seq_len}, which a prompt and its completion may fill: the engine would cut "
+                           "completions short. Set it >= data.seq_len, or null (= data.seq_len).")
 
 
 def reward_weights(g: GrpoConfig) -> list[float]:

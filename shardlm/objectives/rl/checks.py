@@ -79,8 +79,13 @@ def _rounds(cfg: Config, rows: int) -> tuple[int, str]:
     g, t = cfg.grpo, cfg.train
     world = max(1, rows // (t.batch_size * t.grad_accum))
     per_round = steps_per_round(g, t.batch_size, t.grad_accum, world) * g.num_iterations
-    engine = f" by vLLM ({g.vllm_mode}, weights synced every {g.weight_sync_steps} step" \
-             f"{'s' * (g.weight_sync_steps != 1)})" if g.use_vllm else ""
+    engine = ""
+    if g.use_vllm:
+        where = "colocated" if g.vllm_mode == "colocate" else \
+            f"server {g.vllm_server_host}:{g.vllm_server_port}, weights by {g.vllm_weight_transfer}"
+        ahead = f", {g.max_staleness} round{'s' * (g.max_staleness != 1)} generated ahead" if g.max_staleness else ""
+        engine = (f" by vLLM ({where}, weights synced every {g.weight_sync_steps} step"
+                  f"{'s' * (g.weight_sync_steps != 1)}{ahead})")
     return per_round, engine
 
 
@@ -98,7 +103,8 @@ def count_line(cfg: Config, train: Any, val: Any, steps: int, rows: int) -> str:
     """The dry run's."""
     g = cfg.grpo
     per_round, engine = _rounds(cfg, rows)
-    rounds = f", a round of completions{engine} serving {per_round} steps" if per_round > 1 or engine else ""
+    rounds = f", a round of completions{engine} serving {per_round} step{'s' * (per_round != 1)}" \
+        if per_round > 1 or engine else ""
     return (f"prompts: {len(train):,} train / {len(val):,} val; {steps:,} steps of {rows // g.group} prompts x "
             f"grpo.group={g.group} completions{rounds}")
 

@@ -21,6 +21,7 @@ model once more for the length of a sync), as the exports fold them.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -46,9 +47,11 @@ def start_engine(config: Any, precision: str, max_model_len: int, seed: int, on_
     its config.json (the caller removes it). `external`: one engine per rank of the trainer's torchrun world;
     `lora_rank`: the engine applies LoRA adapters of that rank itself."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its INFO lines would outnumber the run's own
     from vllm import LLM
 
     folder = tempfile.mkdtemp(prefix="shardlm-vllm-")
+    atexit.register(shutil.rmtree, folder, True)
     config.save_pretrained(folder)
     extra: dict[str, Any] = {}
     if on_gpu:
@@ -119,7 +122,7 @@ class VLLMSampler:
                  vocab: int | None = None, rows: int = 64):
         require_vllm()
         self.model, self.syncs, self.lora = model, 0, None
-        config = model.hf.config
+        config = engine_config(model)
         self.vocab = vocab if vocab is not None and vocab < config.vocab_size else None
         self.lora_rank = adapter_rank(model) if g.vllm_lora_adapters else None
         external = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
@@ -145,6 +148,32 @@ class VLLMSampler:
 
     def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:
         return generate(self.llm, prompts, keys, params, self.vocab, self.lora)
+
+
+def engine_config(model: Any) -> Any:
+    """The model's transformers config as the engine reads it: `architectures` names the causal LM class (a
+    from-scratch config has none, and vLLM would take GPT-2's or GPT-NeoX's base model for an embedding model)."""
+    import copy
+
+    config = copy.deepcopy(model.hf.config)
+    config.architectures = [type(model.hf).__name__]
+    return config
+
+
+def check_heads(cfg: Any, hf_cfg: Any) -> None:
+    """vLLM's CPU attention takes heads of 64 or more: a colocated engine on CPU with smaller ones is refused before
+    the model loads, in the run and its dry run (a server may run on a GPU: it says so itself)."""
+    import torch
+
+    g, device = cfg.grpo, cfg.parallel.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if not (g.use_vllm and g.vllm_mode == "colocate" and on_cpu):
+        return
+    head = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    if head < 64:
+        raise ShardlmError(f"vLLM's CPU attention needs heads of 64 or more; this model's are {head} "
+                           f"({hf_cfg.hidden_size} / {hf_cfg.num_attention_heads} heads): use fewer, wider heads "
+                           "(model.n_head), a GPU, or grpo.use_vllm=false for shardlm's own sampler.")
 
 
 def adapter_rank(model: Any) -> int | None:

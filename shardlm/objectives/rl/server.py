@@ -25,9 +25,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+import torch.distributed as tdist
 
 from shardlm import ShardlmError
-from shardlm.objectives.rl.engine import adapter_rank, adapter_tensors, generate, policy_weights, reload, start_engine
+from shardlm.objectives.rl.engine import (
+    adapter_rank,
+    adapter_tensors,
+    engine_config,
+    generate,
+    policy_weights,
+    reload,
+    start_engine,
+)
 from shardlm.objectives.rl.sampling import Rollout, SamplingParams
 
 CHUNK = 64 << 20  # bytes of weights per /weights request
@@ -58,7 +67,7 @@ class Engine:
             config = AutoConfig.for_model(**body["config"])
             if self.llm is not None:
                 shutil.rmtree(self.folder, ignore_errors=True)
-                self.llm = None
+                self.llm, self.spec = None, None  # a failed start below leaves no engine to reuse
             self.llm, self.folder = start_engine(config, body["precision"], body["max_model_len"], body["seed"],
                                                  self.on_gpu, body["rows"], self.memory,
                                                  lora_rank=body.get("lora_rank"))
@@ -162,7 +171,11 @@ def serve(host: str, port: int, on_gpu: bool, gpu_memory_utilization: float = 0.
                 return self._reply(500, {"error": f"{type(e).__name__}: {e}"})
             self._reply(200, body)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        raise ShardlmError(f"shardlm vllm-serve cannot listen on {host}:{port} ({e.strerror}): another server may "
+                           "hold it; choose another --port (and grpo.vllm_server_port alike).") from None
     print(f"shardlm vllm-serve: listening on http://{host}:{port} (POST /init, /generate, /weights)", flush=True)
     try:
         server.serve_forever()
@@ -203,7 +216,10 @@ def server_url(g: Any) -> str:
 def wait_for_server(g: Any) -> None:
     """The server's /health, polled until it answers or grpo.vllm_server_timeout passes: one line then (the run,
     before its model loads, and the dry run)."""
-    deadline = time.time() + g.vllm_server_timeout
+    deadline, url = time.time() + g.vllm_server_timeout, server_url(g)
+    if not tdist.is_initialized() or tdist.get_rank() == 0:
+        print(f"waiting up to {g.vllm_server_timeout:g} s for the vLLM server at {url} (grpo.vllm_server_timeout)",
+              flush=True)
     while True:
         try:
             with urllib.request.urlopen(server_url(g) + "/health", timeout=5) as r:
@@ -212,7 +228,7 @@ def wait_for_server(g: Any) -> None:
         except (urllib.error.URLError, OSError):
             pass
         if time.time() > deadline:
-            raise ShardlmError(f"no vLLM server answered at {g.vllm_server_host}:{g.vllm_server_port} within "
+            raise ShardlmError(f"no vLLM server answered at {url.removeprefix('http://')} within "
                                f"grpo.vllm_server_timeout={g.vllm_server_timeout:g} s: start one with `shardlm "
                                f"vllm-serve --port {g.vllm_server_port}` (in vLLM's environment), or set "
                                "grpo.vllm_server_host / vllm_server_port to where it listens.")
@@ -230,7 +246,7 @@ class ServerSampler:
         self.group: Any = None  # (gloo group, its store) with the server, formed at the first sync
         self.sender: Any = None
         wait_for_server(g)
-        config = model.hf.config
+        config = engine_config(model)
         self.lora_rank = adapter_rank(model) if g.vllm_lora_adapters else None
         if dist.is_main:
             adapter_config = None
@@ -255,7 +271,8 @@ class ServerSampler:
             detail = json.loads(e.read() or b"{}").get("error", str(e))
             raise ShardlmError(f"the vLLM server at {self.url} refused {path}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
-            raise ShardlmError(f"the vLLM server at {self.url} stopped answering ({path}: {e}).") from None
+            raise ShardlmError(f"the vLLM server at {self.url} stopped answering ({path}: {e}): restart `shardlm "
+                               "vllm-serve`, then `shardlm resume` the run.") from None
 
     def _barrier(self) -> None:
         if self.dist.distributed:
@@ -302,14 +319,24 @@ class ServerSampler:
         if self.group is None:  # formed at the first sync: the server joins while this rank holds the store
             from concurrent.futures import ThreadPoolExecutor
 
-            store = group_store("0.0.0.0", self.group_port, self.timeout, True)
+            try:
+                store = group_store("0.0.0.0", self.group_port, self.timeout, True)
+            except (RuntimeError, OSError) as e:  # DistNetworkError: the port is taken
+                raise ShardlmError(f"grpo.vllm_group_port={self.group_port} could not be opened for the weight group "
+                                   f"({str(e).splitlines()[0]}): another run may hold it; set another "
+                                   "grpo.vllm_group_port, or grpo.vllm_weight_transfer=http.") from None
             self._post("/init_group", {"port": self.group_port, "timeout": self.timeout})
             self.group = weight_group(store, 0, self.timeout)
             self.sender = ThreadPoolExecutor(1, thread_name_prefix="shardlm-weights")
         meta = [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in chunk.items()]
         reply = self.sender.submit(self._post, "/weights_group", {"tensors": meta})
-        for tensor in chunk.values():
-            broadcast(self.group, tensor)
+        try:
+            for tensor in chunk.values():
+                broadcast(self.group, tensor)
+        except RuntimeError as e:  # gloo's own words for a peer that went away
+            raise ShardlmError(f"the vLLM server at {self.url} stopped answering during a weight sync "
+                               f"({str(e).splitlines()[0]}): restart `shardlm vllm-serve`, then `shardlm resume` "
+                               "the run.") from None
         reply.result()
 
     def sample(self, prompts: Sequence[Sequence[int]], keys: Sequence[int], params: SamplingParams) -> Rollout:

@@ -41,7 +41,7 @@ from shardlm.objectives.rl import checks, memory
 from shardlm.objectives.rl.ahead import Pipeline, Sampled
 from shardlm.objectives.rl.correction import correct, correction_stats, sampler_logps
 from shardlm.objectives.rl.dynamic import dynamic_round
-from shardlm.objectives.rl.engine import VLLMSampler
+from shardlm.objectives.rl.engine import VLLMSampler, check_heads
 from shardlm.objectives.rl.logps import micro_batch, shared_batch, shared_pays
 from shardlm.objectives.rl.loss import (
     clip_counts,
@@ -100,6 +100,7 @@ class RLStep(Defaults):
     @classmethod
     def check_data(cls, cfg: Any, hf_cfg: Any, train: Any, val: Any) -> None:
         checks.check_prompts(cfg, train, val)
+        check_heads(cfg, hf_cfg)
         if cfg.grpo.use_vllm and cfg.grpo.vllm_mode == "server":
             wait_for_server(cfg.grpo)
 
