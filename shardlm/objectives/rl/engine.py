@@ -15,8 +15,9 @@ A sync reloads the weights in place (vLLM's `reload_weights`, which reruns the b
 the CPU backend repacks its linear weights, so TRL's `load_weights` call does not work there), under the
 transformers names the export writes, then resets the prefix cache, whose entries were computed by the old
 weights. Under FSDP2 each tensor is gathered (`full_tensor`) and handed over as it comes, so a rank holds the
-engine's copy and one tensor more; with LoRA the adapters are folded into a full state first (each rank holds the
-model once more for the length of a sync), as the exports fold them.
+engine's copy and one tensor more. With LoRA the engine takes the frozen base once and then the adapters alone,
+as PEFT writes them, loaded in place as its one LoRA (`grpo.vllm_lora_adapters`); merged weights instead are folded
+into a full state first (each rank holds the model once more for the length of a sync), as the exports fold them.
 """
 
 from __future__ import annotations
