@@ -63,6 +63,29 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token_cache")
 
 
+RL_REWARDS = '''
+def low_ids(completion_ids, **_):
+    """The share of a completion's tokens below 64: a rule a tiny random model can learn (chance is ~1/4)."""
+    return [sum(t < 64 for t in c) / max(len(c), 1) for c in completion_ids]
+'''
+
+
+@pytest.fixture(scope="session")
+def rl_data(tmp_path_factory) -> tuple[Path, str]:
+    """Online RL's tiny task (test_grpo_training, test_vllm): 64 text prompts with an `answer` each, and a reward
+    module; (prompts file, grpo.rewards). Read only."""
+    import json
+    import random
+
+    folder = tmp_path_factory.mktemp("rl")
+    rng = random.Random(0)
+    lines = [json.dumps({"prompt": "".join(rng.choice("bcdefg") for _ in range(rng.randint(2, 5))) + ":",
+                         "answer": "aaa"}) for _ in range(64)]
+    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "rewards.py").write_text(RL_REWARDS)
+    return folder / "prompts.jsonl", f"[{folder / 'rewards.py'}:low_ids]"
+
+
 @pytest.fixture
 def hf_folder(tmp_path) -> Path:
     """A local Hugging Face folder, as `shardlm export` or a hub download gives: a 1-layer byte-level GPT-2 with

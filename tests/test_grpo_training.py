@@ -5,7 +5,6 @@ resume = the uninterrupted run (with a KL reference and num_iterations 2, whose 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -13,24 +12,6 @@ import torch
 from faults import fault
 
 from helpers import by_step, records, shardlm_cli, tiny, train_in_process
-
-REWARDS = '''
-def low_ids(completion_ids, **_):
-    """The share of a completion's tokens below 64: a rule a tiny random model can learn (chance is ~1/4)."""
-    return [sum(t < 64 for t in c) / max(len(c), 1) for c in completion_ids]
-'''
-
-
-@pytest.fixture(scope="module")
-def rl_data(tmp_path_factory) -> tuple[Path, str]:
-    """64 text prompts with an `answer` each, and a reward module; (prompts file, grpo.rewards)."""
-    folder = tmp_path_factory.mktemp("rl")
-    rng = random.Random(0)
-    lines = [json.dumps({"prompt": "".join(rng.choice("bcdefg") for _ in range(rng.randint(2, 5))) + ":",
-                         "answer": "aaa"}) for _ in range(64)]
-    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    (folder / "rewards.py").write_text(REWARDS)
-    return folder / "prompts.jsonl", f"[{folder / 'rewards.py'}:low_ids]"
 
 
 def rl_args(data: tuple[Path, str], cache_dir: Path, out: Path, **extra) -> list[str]:

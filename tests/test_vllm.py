@@ -12,9 +12,7 @@ smaller ones (the refusal row's case)."""
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -31,10 +29,6 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 128, "model.n_head": 2}
-REWARDS = '''
-def low_ids(completion_ids, **_):
-    return [sum(t < 64 for t in c) / max(len(c), 1) for c in completion_ids]
-'''
 
 
 def llama(vocab: int = 300):
@@ -108,17 +102,6 @@ def test_heads_the_cpu_engine_refuses_are_one_line_before_the_model_loads(rl_dat
     dry = refusal([*args, "--dry-run"])
     assert dry.startswith("vLLM's CPU attention needs heads of 64 or more; this model's are 16 (32 / 2 heads)")
     assert refusal(args) == dry and not (tmp_path / "metrics.jsonl").exists()
-
-
-@pytest.fixture(scope="module")
-def rl_data(tmp_path_factory) -> tuple[Path, str]:
-    folder = tmp_path_factory.mktemp("rl")
-    rng = random.Random(0)
-    lines = [json.dumps({"prompt": "".join(rng.choice("bcdefg") for _ in range(rng.randint(2, 5))) + ":",
-                         "answer": "aaa"}) for _ in range(64)]
-    (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
-    (folder / "rewards.py").write_text(REWARDS)
-    return folder / "prompts.jsonl", f"[{folder / 'rewards.py'}:low_ids]"
 
 
 def vllm_args(data, cache_dir, out, **extra) -> list[str]:
