@@ -92,8 +92,7 @@ def _gathered(mine: list[Group], world: int) -> list[Group]:
 def _share_of(rl: Any, chosen: list[Group], rows: Any) -> ScoredRound:
     """This rank's share of each step's groups, scored as a round of its own (advantages within groups; a batch
     scale over every rank's)."""
-    first = rl.dist.rank * rl.per_rank
-    mine = [chosen[s * rl.per_step + first + j] for s in range(rl.steps) for j in range(rl.per_rank)]
+    mine = [chosen[j] for j in rl.slots()]
     prompts = [rows.token_ids(x.index) for x in mine]
     rollout = Rollout(prompts, [c for x in mine for c in x.completions], [t for x in mine for t in x.truncated],
                       rl.g.group, [lp for x in mine for lp in x.logps])

@@ -175,7 +175,6 @@ class RLStep(Defaults):
                 VLLMSampler(run.model, g, length, cfg.parallel.precision, cfg.train.seed, run.dist.device,
                             run.model.vocab, rows)
             self.sampler = self.engine
-        self.since_sync = 0  # optimizer steps since the engine took the policy's weights
         self.trained, self.synced_at = 0, 0  # optimizer steps so far; their count when the engine last synced
         self.ahead = g.max_staleness  # rounds generated ahead on the server (asynchronous generation)
         self.pipeline = Pipeline(self.ahead)
@@ -233,12 +232,16 @@ class RLStep(Defaults):
         tensor.copy_(on.to(tensor.device))
 
     # ---- a round ------------------------------------------------------------------------------------------------
+    def slots(self) -> list[int]:
+        """The places in a round's prompts that are this rank's: its share of each step's, in step order."""
+        first = self.dist.rank * self.per_rank
+        return [s * self.per_step + first + j for s in range(self.steps) for j in range(self.per_rank)]
+
     def _share(self, order: np.ndarray, position: int) -> tuple[list[Any], list[list[int]], list[int]]:
         """This rank's prompts of a round (its share of each step's, as if sampled step by step), their ids and
         sampling keys (their places in the data order)."""
         rows = prompt_split(self.run.train, "training")
-        first = self.dist.rank * self.per_rank
-        mine = [s * self.per_step + first + j for s in range(self.steps) for j in range(self.per_rank)]
+        mine = self.slots()
         return ([rows.prompt(int(order[j])) for j in mine], [rows.token_ids(int(order[j])) for j in mine],
                 [position + j for j in mine])
 
@@ -335,9 +338,9 @@ class RLStep(Defaults):
     def sync_engine(self, every: int) -> None:
         """The engine takes the policy's weights when it never has (a new or resumed run: it starts with dummy
         ones) or `every` optimizer steps have passed since it last did."""
-        if self.engine is not None and (self.engine.syncs == 0 or self.since_sync >= every):
+        if self.engine is not None and (self.engine.syncs == 0 or self.trained - self.synced_at >= every):
             self.engine.sync()
-            self.since_sync, self.synced_at = 0, self.trained
+            self.synced_at = self.trained
 
     # ---- a step -------------------------------------------------------------------------------------------------
     def micro_steps(self, loop: Loop) -> StepOut:
@@ -353,8 +356,7 @@ class RLStep(Defaults):
             for position in self.pipeline.wanted(loop.position, count):  # sampled while this round trains
                 _, ids, keys = self._share(loop.sampler.indices(position, count), position)
                 self.pipeline.launch(position, self.sampler, ids, keys, self.params, self.synced_at)
-        self.since_sync += 1  # the optimizer step that follows
-        self.trained += 1
+        self.trained += 1  # the optimizer step that follows
         r = self.round
         assert r is not None
         g, part = self.g, r.used % self.steps  # the round's slice this step trains on
