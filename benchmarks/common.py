@@ -193,7 +193,7 @@ def sign_test(base: list[list[dict]], new: list[list[dict]]) -> dict:
     lost = sum(b["exact"] and not a["exact"] for b, a in pairs)
     n = gained + lost
     tail = sum(math.comb(n, k) for k in range(0, min(gained, lost) + 1)) / 2**n if n else 1.0
-    return {"gained": gained, "lost": lost, "p_two_sided": round(min(1.0, 2 * tail), 4)}
+    return {"gained": gained, "lost": lost, "p_two_sided": float(f"{min(1.0, 2 * tail):.3g}")}
 
 
 # ---- the versus-a-peer harness (grpo_vs_trl, distill_vs_trl): each side a child process of the script ----------

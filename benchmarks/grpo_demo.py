@@ -1,99 +1,170 @@
-"""The GRPO demo's effect, measured: greedy exact match on the 200 bundled held-out prompts (chat_tasks_heldout) of
-the exported chat_tiny model before and after `shardlm train grpo_tiny`, per task and per prompt (a sign test on
-the prompts that changed), with the run's curve of reward and held-out exact match against steps and the CPU
-minutes it took. Prints one JSON object.
+"""What online RL is for, measured end to end: pretrain a tiny base on a generated corpus that holds a skill, then
+GRPO on prompts a step beyond the corpus, scored only by a reward; held-out greedy accuracy before and after, the
+base's pass@k, a control that continues pretraining for the same CPU time, a sign test. `make demo-rl` runs it;
+its last line is one JSON object.
 
-    python benchmarks/grpo_demo.py [--model runs/chat_tiny-hf] [--out benchmarks/results/grpo_demo.json]
-                                   [--keep DIR] [key=value ...]
+    python benchmarks/grpo_demo.py [--work runs/sort] [--seed 0] [--out FILE] [--data-only] [key=value ...]
 
-The flow is the one configs/grpo_tiny.yaml describes: `shardlm train chat_tiny && shardlm export runs/chat_tiny
-runs/chat_tiny-hf` (not repeated here: --model names the export), then `shardlm train grpo_tiny
-model.name=MODEL` (key=value arguments go to it, e.g. train.lr=1e-4 grpo.temperature=1.0), `shardlm export` of
-that run. Before and after score the same greedy answers with shardlm's exact-match code
-(shardlm.inference.exact_match, `shardlm eval --exact-match`'s rule), the task read from each prompt; the curve is
-the run's own metrics.jsonl (train: the sampled reward of each step; val: the validation's greedy exact match on
-the same 200 prompts, which configs/grpo_tiny.yaml sets as data.val).
+The task: sort distinct letters ("qzbe>beqz"). The corpus holds strings of 2 to 12 letters, the longest rarer;
+RL asks for 13, a length the base never saw, which it sorts right a quarter of the time (greedy) and more often
+among samples. A hash of each string (salted by --seed) puts a tenth of all strings in the held-out split: none of
+them is in the corpus or the RL prompts, so another --seed is another corpus and another held-out split.
+
+The flow is the recipes' (configs/sort_tiny.yaml, configs/grpo_tiny.yaml): write runs/sort/*.jsonl, `shardlm
+train sort_tiny`, export, `shardlm train grpo_tiny` (key=value arguments go to it) and, for the control, `shardlm
+train sort_tiny` again from the export at the pretraining's final learning rate for as many steps as fit in the
+RL run's CPU seconds. Greedy and sampled answers are scored here, by the reward's rule (exact match after
+trimming), on all the held-out prompts.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
-import platform
+import random
+import string
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
-from common import ROOT, children_cpu_s, cpu_name, emit, exact_rate, heldout_answers, per_task, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, shardlm, sign_test
+
+LENGTHS = {n: 1.0 for n in range(2, 11)} | {11: 0.3, 12: 0.15}  # the corpus's string lengths and their weights
+ASKED = 13  # the length RL and the held-out prompts ask for
+
+
+def held_out(s: str, seed: int) -> bool:
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{s}".encode(), digest_size=4).digest(), "little") % 10 == 0
+
+
+def write_task(folder: Path, seed: int, documents: int = 150_000, prompts: int = 4000, heldout: int = 400) -> None:
+    """corpus.jsonl (text documents "s>sorted(s)"), prompts.jsonl and heldout.jsonl ({"prompt", "answer"})."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    lengths, weights = list(LENGTHS), list(LENGTHS.values())
+    with open(folder / "corpus.jsonl", "w") as f:
+        written = 0
+        while written < documents:
+            s = "".join(rng.sample(string.ascii_lowercase, rng.choices(lengths, weights)[0]))
+            if not held_out(s, seed):
+                f.write(json.dumps({"text": f"{s}>{''.join(sorted(s))}"}) + "\n")
+                written += 1
+    train: list[dict] = []
+    held: list[dict] = []
+    while len(train) < prompts or len(held) < heldout:
+        s = "".join(rng.sample(string.ascii_lowercase, ASKED))
+        into, cap = (held, heldout) if held_out(s, seed) else (train, prompts)
+        if len(into) < cap:
+            into.append({"prompt": f"{s}>", "answer": "".join(sorted(s))})
+    for name, rows in (("prompts.jsonl", train), ("heldout.jsonl", held)):
+        (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def answers(export: Path, rows: list[dict], samples: int = 0) -> list[list[str]]:
+    """Each prompt's greedy answer (samples=0), or `samples` answers at temperature 1, decoded and trimmed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export).eval()
+    torch.manual_seed(0)
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(rows), 100):  # the prompts are one length: batches need no padding
+            ids = torch.tensor([tok(r["prompt"])["input_ids"] for r in rows[start:start + 100]])
+            n = max(samples, 1)
+            gen = model.generate(ids.repeat_interleave(n, 0), max_new_tokens=ASKED + 2, do_sample=samples > 0,
+                                 temperature=1.0 if samples else None, top_k=0 if samples else None,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            texts = [t.strip() for t in tok.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)]
+            out += [texts[i:i + n] for i in range(0, len(texts), n)]
+    return out
+
+
+def greedy(export: Path, rows: list[dict]) -> list[dict]:
+    return [{"exact": a[0] == r["answer"]} for a, r in zip(answers(export, rows), rows, strict=True)]
+
+
+def pass_at_k(export: Path, rows: list[dict], n: int = 16) -> dict:
+    """The unbiased pass@k of n samples a prompt (Chen et al. 2021), for k = 1, 2, 4, ..., n."""
+    right = [sum(a == r["answer"] for a in got) for got, r in zip(answers(export, rows, n), rows, strict=True)]
+    ks = [2**i for i in range(int(math.log2(n)) + 1)]
+    return {f"pass@{k}": round(sum(1 - math.comb(n - c, k) / math.comb(n, k) for c in right) / len(rows), 4)
+            for k in ks}
+
+
+def rate(rows: list[dict]) -> float:
+    return round(sum(r["exact"] for r in rows) / len(rows), 4)
 
 
 def curve(run: Path) -> dict:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    train_keys = ("step", "reward", "rewards/exact_match/mean", "rewards/partial_match/mean", "frac_reward_zero_std",
-                  "completions/mean_length", "entropy", "clip_ratio/region_mean", "kl", "grad_norm", "time_s")
-    val_keys = ("step", "exact_match", "reward", "rewards/exact_match/mean", "rewards/partial_match/mean",
-                "completions/mean_length")
-
-    def pick(r: dict, keys: tuple[str, ...]) -> dict:
-        return {k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in keys if k in r}
-
-    return {"train": [pick(r, train_keys) for r in records if r.get("split") == "train"],
-            "val": [pick(r, val_keys) for r in records if r.get("split") == "val"]}
+    keep = ("step", "reward", "frac_reward_zero_std", "entropy", "exact_match", "completions/mean_length")
+    return {split: [{k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in keep if k in r}
+                    for r in records if r.get("split") == split] for split in ("train", "val")}
 
 
-def machine(load_before: list[float]) -> dict:
-    import torch
-
-    return {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "load_average_at_start": load_before,
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
+def timed(*args: str) -> float:
+    """Run `shardlm ARGS` and return the CPU seconds it took (its processes, all cores)."""
+    before = children_cpu_s()
+    shardlm(*args)
+    return children_cpu_s() - before
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(ROOT / "runs" / "chat_tiny-hf"), help="the exported chat_tiny run")
-    ap.add_argument("--heldout", type=int, default=200)
-    ap.add_argument("--keep", default=None, help="work in this folder and keep the run (default: a temporary one)")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "sort"), help="the task's data and the runs go here")
+    ap.add_argument("--seed", type=int, default=0, help="the generator's seed: another corpus and held-out split")
+    ap.add_argument("--data-only", action="store_true", help="write the task's data (the recipes' runs/sort) and stop")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", help="key=value for the GRPO run (configs/grpo_tiny.yaml)")
     args = ap.parse_args()
-    load_before = [round(x, 2) for x in os.getloadavg()]
-    model = Path(args.model).resolve()
+    work = Path(args.work).resolve()
     began = time.time()
-    with tempfile.TemporaryDirectory(prefix="shardlm-grpo-demo-") as tmp:
-        work = Path(args.keep or tmp).resolve()
-        work.mkdir(parents=True, exist_ok=True)
-        before = heldout_answers(model, args.heldout)
-        run = work / "grpo"
-        cpu0, wall0 = children_cpu_s(), time.time()
-        shardlm("train", "grpo_tiny", f"model.name={model}", f"out_dir={run}", "log.tensorboard=false",
-                "log.progress=none", *args.overrides)
-        train_wall, train_cpu = time.time() - wall0, children_cpu_s() - cpu0
-        shardlm("export", str(run), str(work / "grpo-hf"))
-        after = heldout_answers(work / "grpo-hf", args.heldout)
-        config = yaml.safe_load((run / "config.yaml").read_text())
-        points = curve(run)
-    rate = exact_rate
+    write_task(work, args.seed)
+    if args.data_only:
+        print(f"wrote {work}/corpus.jsonl, prompts.jsonl and heldout.jsonl (seed {args.seed})")
+        return
+    quiet = ("log.tensorboard=false", "log.progress=none")
+    data = [f"data.train={work / 'prompts.jsonl'}", f"data.val={work / 'heldout.jsonl'}"]
+    pre_cpu = timed("train", "sort_tiny", f"data.train={work / 'corpus.jsonl'}", f"out_dir={work / 'base'}",
+                    f"train.seed={args.seed}", *quiet)
+    shardlm("export", str(work / "base"), str(work / "base-hf"))
+    rows = [json.loads(line) for line in (work / "heldout.jsonl").read_text().splitlines()]
+    before, passes = greedy(work / "base-hf", rows), pass_at_k(work / "base-hf", rows)
+    rl_cpu = timed("train", "grpo_tiny", f"model.name={work / 'base-hf'}", *data, f"out_dir={work / 'grpo'}",
+                   f"train.seed={args.seed}", *quiet, *args.overrides)
+    shardlm("export", str(work / "grpo"), str(work / "grpo-hf"))
+    pretrain = yaml.safe_load((ROOT / "configs" / "sort_tiny.yaml").read_text())["train"]
+    steps = max(1, round(rl_cpu / (pre_cpu / pretrain["max_steps"])))
+    control_cpu = timed("train", "sort_tiny", f"model.name={work / 'base-hf'}", f"data.train={work / 'corpus.jsonl'}",
+                        f"out_dir={work / 'control'}", f"train.max_steps={steps}", "train.warmup_steps=0",
+                        f"train.lr={pretrain['lr'] * 0.1}", "train.schedule=constant", f"train.seed={args.seed + 1}",
+                        "train.eval_every=0", *quiet)
+    shardlm("export", str(work / "control"), str(work / "control-hf"))
+    after, control = greedy(work / "grpo-hf", rows), greedy(work / "control-hf", rows)
+    import torch
+
     out = {"benchmark": "grpo_demo", "command": " ".join(["python", "benchmarks/grpo_demo.py", *sys.argv[1:]]),
-           "config": "configs/grpo_tiny.yaml", "overrides": args.overrides, "model": str(model),
-           "settings": {"train": {k: config["train"].get(k) for k in ("objective", "batch_size", "grad_accum",
-                                                                       "max_steps", "lr", "schedule", "warmup_steps",
-                                                                       "weight_decay", "beta1", "beta2", "grad_clip",
-                                                                       "seed")},
-                        "grpo": config["grpo"], "data": {k: config["data"][k] for k in ("train", "val", "seq_len")}},
-           "train_wall_minutes": round(train_wall / 60, 1), "train_cpu_minutes": round(train_cpu / 60, 1),
-           "wall_minutes": round((time.time() - began) / 60, 1),
-           "before": {"exact_match": rate(before), "per_task": per_task(before)},
-           "after": {"exact_match": rate(after), "per_task": per_task(after)},
-           "exact_match_gain": round(rate(after) - rate(before), 4), "sign_test": sign_test([before], [after]),
-           "curve": points, "machine": machine(load_before),
-           "note": "exact match: greedy answers to the first N prompts of chat_tasks_heldout (never trained on) equal "
-                   "to the reference; before = the exported chat_tiny run GRPO starts from, after = the GRPO run's "
-                   "export. curve.val[].exact_match is the run's own validation on the same prompts"}
-    emit(out, args.out)
+           "seed": args.seed, "heldout": len(rows), "before": rate(before), "after": rate(after),
+           "p": sign_test([before], [after])["p_two_sided"], "sign_test": sign_test([before], [after]),
+           "base_pass_at_k": passes, "control": rate(control),
+           "control_sign_test": sign_test([before], [control]), "control_steps": steps,
+           "cpu_minutes": {"pretraining": round(pre_cpu / 60, 2), "grpo": round(rl_cpu / 60, 2),
+                           "control": round(control_cpu / 60, 2)},
+           "wall_minutes": round((time.time() - began) / 60, 1), "curve": curve(work / "grpo"),
+           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
+           "note": "greedy exact match on the held-out 13-letter strings (no phase trained on them); before = the "
+                   "pretrained base, after = GRPO's export, control = the base pretrained on for the GRPO run's CPU "
+                   "seconds at the pretraining's final learning rate; base_pass_at_k: 16 samples a prompt at "
+                   "temperature 1"}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, separators=(",", ":")))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def check_model_path(name: str) -> None:
                                f"a shardlm run or checkpoint is exported first: shardlm export {name} {out}, then "
                                f"model.name={out}.")
         return
-    if not looks_like_path(name):
+    if not looks_like_path(name) and not flow_step(name):  # a recipe's flow step: never a hub name
         return
     fix = ("Point model.name at a folder holding config.json and the weights (saved with save_pretrained or "
            "`shardlm export`), or give a hub name such as gpt2.")
@@ -97,9 +97,34 @@ def check_model_path(name: str) -> None:
     raise ShardlmError(f"model.name '{name}' is a path that does not exist.{nearest_path(name)} {fix}")
 
 
+# What the bundled recipes read that an earlier step of their flow makes (a recipe's header names its flow), and
+# the commands that make it, from a checkout (benchmarks/ is not installed): a user who runs `shardlm train
+# grpo_tiny` first is told the step, not only that a path is missing.
+FLOW_STEPS = {
+    "runs/chat_tiny-hf": "shardlm train chat_tiny && shardlm export runs/chat_tiny runs/chat_tiny-hf",
+    "runs/chat_tiny-pairs": "python benchmarks/dpo_pairs.py runs/chat_tiny-hf runs/chat_tiny-pairs --train 3000 "
+                            "(after making runs/chat_tiny-hf)",
+    "runs/sort": "python benchmarks/grpo_demo.py --data-only",
+    "runs/sort_tiny-hf": "python benchmarks/grpo_demo.py --data-only && shardlm train sort_tiny && shardlm export "
+                         "runs/sort_tiny runs/sort_tiny-hf",
+}
+
+
+def flow_step(name: str | Path) -> str:
+    """` An earlier step of the bundled recipes' flow makes it: CMD.` for a path FLOW_STEPS names, else ""."""
+    path = Path(name).as_posix().removeprefix("./")
+    for product, command in FLOW_STEPS.items():
+        if path == product or path.startswith(product + "/"):
+            return f" An earlier step of the bundled recipes' flow makes it: {command}."
+    return ""
+
+
 def nearest_path(name: str | Path, folder: bool = True) -> str:
     """` Did you mean 'X'?` for the existing path one component away from `name` (the closest sibling of its first
-    missing part: a folder, or with `folder=False` any file), or "" when none is close."""
+    missing part: a folder, or with `folder=False` any file), or "" when none is close; for a path a bundled
+    recipe's flow makes, the command that makes it (flow_step)."""
+    if step := flow_step(name):
+        return step
     name = str(name)
     parts = Path(name).parts
     for i, part in enumerate(parts):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import signal
@@ -20,6 +21,18 @@ SHAKESPEARE = ROOT / "shardlm" / "assets" / "tinyshakespeare" / "input.txt"
 GPT2_VOCAB = {"model.tokenizer": "gpt2", "model.n_layer": 4, "model.n_embd": 256, "model.n_head": 4,
               "model.n_positions": 128, "data.seq_len": 128, "train.batch_size": 4}
 _device = "cpu"  # parallel.device of tiny(): "auto" (CUDA when present) while a @pytest.mark.cuda test runs (conftest)
+
+
+def benchmark_module(name: str, monkeypatch):
+    """benchmarks/NAME.py as a module. The benchmarks are scripts, not a package the tests import: the script is
+    loaded explicitly by its path (importlib), with benchmarks/ on sys.path for this test only, as when it runs
+    (it imports benchmarks/common.py as `common`)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # as an imported module is (dataclasses look it up)
+    spec.loader.exec_module(module)
+    return module
 
 
 def on_cuda() -> bool:

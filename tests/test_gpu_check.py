@@ -2,7 +2,6 @@
 with every stage ok; the max_batch search (benchmarks/max_batch.py) and the profile helpers (benchmarks/mfu.py)
 its stages rely on."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,26 +9,14 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, benchmark_module
 
 BENCH = ROOT / "benchmarks"
 SCRIPT = BENCH / "gpu_check.py"
 
 
-def benchmark(name: str, monkeypatch):
-    """benchmarks/NAME.py as a module. The benchmarks are scripts, not a package the tests import: the script is
-    loaded explicitly by its path (importlib), with benchmarks/ on sys.path for this test only, as when it runs
-    (it imports benchmarks/common.py as `common`)."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # as an imported module is (dataclasses look it up)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_dry_run_runs_every_stage_and_prints_the_json(tmp_path, monkeypatch):
-    gpu_check = benchmark("gpu_check", monkeypatch)
+    gpu_check = benchmark_module("gpu_check", monkeypatch)
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
@@ -39,7 +26,8 @@ def test_dry_run_runs_every_stage_and_prints_the_json(tmp_path, monkeypatch):
     assert json.loads(out.read_text()) == result
     assert {"device", "torch", "date", "stages", "mfu", "speedup_vs_hf"} <= set(result)
     assert [s["name"] for s in result["stages"]] == list(gpu_check.STAGES)
-    assert list(benchmark("gpu_stages", monkeypatch).STAGES) == list(gpu_check.STAGES)  # the driver's, the stages'
+    stages = benchmark_module("gpu_stages", monkeypatch).STAGES
+    assert list(stages) == list(gpu_check.STAGES)  # the driver's, the stages'
     assert all(s["ok"] and s["seconds"] > 0 for s in result["stages"])
     assert sorted(x.split()[1] for x in lines[:-1] if x.startswith("[ok]")) == sorted(gpu_check.STAGES)  # a line each
     by = {s["name"]: s for s in result["stages"]}
@@ -64,7 +52,7 @@ def test_without_a_gpu_it_says_so_and_exits_0():
     (lambda b: 1.0 + 0.01 * b, 3),  # everything fits: capped at --max-batch
 ])
 def test_max_batch_search_is_exact_and_short(monkeypatch, peak, most_trials):
-    max_batch = benchmark("max_batch", monkeypatch)
+    max_batch = benchmark_module("max_batch", monkeypatch)
 
     args = max_batch.parse_args(["--budget-gb", "16", "--max-batch", "256"])
     monkeypatch.setattr(max_batch, "fits", lambda side, batch, a: (peak(batch) <= a.budget_gb, peak(batch)))
@@ -74,7 +62,7 @@ def test_max_batch_search_is_exact_and_short(monkeypatch, peak, most_trials):
 
 
 def test_profile_helpers(monkeypatch):
-    mfu = benchmark("mfu", monkeypatch)
+    mfu = benchmark_module("mfu", monkeypatch)
 
     assert mfu.busy_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
     assert mfu.sdpa_kernel(["void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>"]) == "flash"

@@ -9,15 +9,18 @@ lowered to 2 to fit a 2-core CI machine. `tensorboard` (a server) is not started
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import ROOT, byte_gpt2_config, run_command, tiny
+from helpers import ROOT, benchmark_module, byte_gpt2_config, run_command, tiny
+from shardlm import ShardlmError
 from shardlm.cli import cmd_train, parse_args
 from shardlm.config import load_config, to_flat_dict
 from shardlm.tokenizer import byte_tokenizer, set_chat_template
@@ -133,7 +136,11 @@ def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
     if "my_corpus" in str(yaml.safe_load(config.read_text()).get("data", {}).get("train")):
         (tmp_path / "corpus.csv").write_text('text\n' + '"hello world"\n' * 20000)  # a batch of 1024-token blocks
         extra = [f"data.train={tmp_path / 'corpus.csv'}"]
-    if str(yaml.safe_load(config.read_text()).get("data", {}).get("train")).startswith("runs/"):
+    train = str(yaml.safe_load(config.read_text()).get("data", {}).get("train"))
+    if train.startswith("runs/sort/"):  # sort_tiny's and grpo_tiny's: the task's data, as the flow writes it
+        benchmark_module("grpo_demo", monkeypatch).write_task(Path("runs/sort"), 0, documents=3000, prompts=64,
+                                                              heldout=16)
+    elif train.startswith("runs/"):
         extra = ["data.train=chat_pairs", "data.val=chat_pairs_val"]  # made by the flow's earlier steps (dpo_tiny)
     if str(yaml.safe_load(config.read_text()).get("model", {}).get("name")).startswith("runs/"):
         flow_model(config)  # dpo_tiny's and grpo_tiny's model: the flow's exported chat_tiny
@@ -144,6 +151,42 @@ def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
     assert "dry run: the config is valid" in out and "plan: 2 rank(s)" in out
     if extra[:1] == ["data.train=chat_pairs"]:  # the flow's model was checked, not taken for a hub name
         assert "tokenizer runs/chat_tiny-hf, 259 tokens" in out, out
+
+
+def test_a_recipe_whose_flow_step_is_missing_names_the_step(tmp_path, monkeypatch):
+    """Run before its flow's earlier steps, a bundled recipe names the command that makes what it reads: the task's
+    the task's data (sort_tiny), the base (grpo_tiny), the teacher (distill_tiny), never taken for a hub name."""
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    for argv, message in [
+        (["sort_tiny"], "data path 'runs/sort/corpus.jsonl' does not exist. An earlier step of the bundled recipes' "
+                        "flow makes it: python benchmarks/grpo_demo.py --data-only."),
+        (["grpo_tiny"], "model.name 'runs/sort_tiny-hf' is a path that does not exist. An earlier step of the bundled "
+         "recipes' flow makes it: python benchmarks/grpo_demo.py --data-only && shardlm train sort_tiny && shardlm "
+         "export runs/sort_tiny runs/sort_tiny-hf."),
+        (["distill_tiny"], "distill.teacher 'runs/chat_tiny-hf' is a path that does not exist. An earlier step of the "
+                           "bundled recipes' flow makes it: shardlm train chat_tiny && shardlm export runs/chat_tiny "
+                           "runs/chat_tiny-hf."),
+    ]:
+        with pytest.raises(ShardlmError, match=re.escape(message)):
+            cmd_train(parse_args(["train", *argv, "--dry-run"]))
+
+
+def test_the_rl_demos_task_keeps_its_held_out_strings_out(tmp_path, monkeypatch):
+    """The sort task (benchmarks/grpo_demo.py): no held-out string is in the corpus or the RL prompts, the corpus
+    never holds the length RL asks for, the answers are the sorted letters, and another seed is another split."""
+    demo = benchmark_module("grpo_demo", monkeypatch)
+    for seed in (0, 1):
+        demo.write_task(tmp_path / str(seed), seed, documents=3000, prompts=300, heldout=40)
+    read = {(seed, name): [json.loads(line) for line in (tmp_path / str(seed) / f"{name}.jsonl").open()]
+            for seed in (0, 1) for name in ("corpus", "prompts", "heldout")}
+    held = {r["prompt"][:-1] for r in read[0, "heldout"]}
+    corpus = {r["text"].split(">")[0] for r in read[0, "corpus"]}
+    assert len(held) == 40 and len(read[0, "prompts"]) == 300 and len(corpus) > 2900
+    assert not held & corpus and not held & {r["prompt"][:-1] for r in read[0, "prompts"]}
+    assert max(map(len, corpus)) == demo.ASKED - 1 and {len(s) for s in held} == {demo.ASKED}
+    assert all(r["answer"] == "".join(sorted(r["prompt"][:-1])) for r in read[0, "heldout"] + read[0, "prompts"])
+    assert all(demo.held_out(s, 0) for s in held) and not any(demo.held_out(s, 0) for s in corpus)
+    assert held != {r["prompt"][:-1] for r in read[1, "heldout"]}
 
 
 def test_options_overrides_and_files_mix_in_any_order(capsys):
