@@ -84,7 +84,7 @@ def test_an_unknown_config_lists_the_bundled_ones_in_one_line(tmp_path, monkeypa
         main(["train", arg, "--dry-run"])
     err = capsys.readouterr().err.strip()
     assert done.value.code == 2 and err.startswith(message) and "\n" not in err, err
-    assert "shakespeare_tiny (`shardlm configs` describes them)." in err and not list(tmp_path.iterdir())
+    assert "shakespeare_tiny, sort_tiny (`shardlm configs` describes them)." in err and not list(tmp_path.iterdir())
 
 
 def test_env_names_torch_and_the_cache(tmp_path, monkeypatch, capsys):
