@@ -187,6 +187,11 @@ def test_the_rl_demos_task_keeps_its_held_out_strings_out(tmp_path, monkeypatch)
     assert all(r["answer"] == "".join(sorted(r["prompt"][:-1])) for r in read[0, "heldout"] + read[0, "prompts"])
     assert all(demo.held_out(s, 0) for s in held) and not any(demo.held_out(s, 0) for s in corpus)
     assert held != {r["prompt"][:-1] for r in read[1, "heldout"]}
+    chat = [json.loads(line) for line in (tmp_path / "0" / "chat_heldout.jsonl").open()]  # --chat: the same, asked
+    assert [(c["prompt"][0]["content"], c["answer"]) for c in chat] == [
+        (f"Sort: {r['prompt'][:-1]}", r["answer"]) for r in read[0, "heldout"]]
+    sft = [json.loads(line)["messages"] for line in (tmp_path / "0" / "chat_sft.jsonl").open()]
+    assert max(len(m[1]["content"]) for m in sft) == demo.CHAT_SFT and not held & {m[0]["content"][6:] for m in sft}
 
 
 def test_options_overrides_and_files_mix_in_any_order(capsys):
