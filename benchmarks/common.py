@@ -146,7 +146,7 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-# ---- the chat demos' held-out scoring (grpo_demo, distill_demo, dpo_demo) -----------------------------------
+# ---- the chat demos' held-out scoring (distill_demo, dpo_demo, kto_demo) -----------------------------------
 def heldout_answers(export: Path, heldout: int) -> list[dict]:
     """The first `heldout` chat_tasks_heldout prompts: each one's task and whether the export's greedy answer equals
     the reference, by shardlm's own exact-match code (shardlm.inference.exact_match, `shardlm eval --exact-match`'s
