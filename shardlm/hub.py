@@ -70,8 +70,9 @@ PATH_PREFIXES = ("./", "../", "/", "~", ".\\", "..\\")
 
 
 def looks_like_path(name: str) -> bool:
-    """Written as a path (./, ../, /, ~), or inside a folder that exists: never meant as a hub name."""
-    if name.startswith(PATH_PREFIXES) or name in (".", ".."):
+    """Written as a path (./, ../, /, ~), inside a folder that exists, or a path a bundled recipe's flow makes
+    (FLOW_STEPS): never meant as a hub name."""
+    if name.startswith(PATH_PREFIXES) or name in (".", "..") or flow_step(name):
         return True
     return any(p.is_dir() for p in Path(name).expanduser().parents if p != Path("."))
 
@@ -88,7 +89,7 @@ def check_model_path(name: str) -> None:
                                f"a shardlm run or checkpoint is exported first: shardlm export {name} {out}, then "
                                f"model.name={out}.")
         return
-    if not looks_like_path(name) and not flow_step(name):  # a recipe's flow step: never a hub name
+    if not looks_like_path(name):
         return
     fix = ("Point model.name at a folder holding config.json and the weights (saved with save_pretrained or "
            "`shardlm export`), or give a hub name such as gpt2.")

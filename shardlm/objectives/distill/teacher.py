@@ -30,7 +30,7 @@ from shardlm.checkpoint.layout import read_hf_config, resolve_checkpoint, tokeni
 from shardlm.checkpoint.load import is_adapter_folder, is_hf_folder, load_for_inference
 from shardlm.checkpoint.provenance import base_identity
 from shardlm.config import Config, LoraConfig, ModelConfig
-from shardlm.hub import flow_step, looks_like_path, nearest_path
+from shardlm.hub import looks_like_path, nearest_path
 from shardlm.models.attention import attention
 from shardlm.models.causal_lm import CausalLM, num_params
 from shardlm.models.hf_config import check_model, model_config
@@ -66,7 +66,7 @@ def teacher_source(name: str | None) -> TeacherSource:
             return TeacherSource(name, checkpoint=resolve_checkpoint(path, log=lambda _: None))
         except ShardlmError as e:
             raise ShardlmError(f"distill.teacher '{name}' is no model: {e} Give {KINDS}.") from None
-    if looks_like_path(name) or flow_step(name):
+    if looks_like_path(name):
         raise ShardlmError(f"distill.teacher '{name}' is a path that does not exist.{nearest_path(name)} "
                            f"Give {KINDS}.")
     return TeacherSource(name, model_name=name)
