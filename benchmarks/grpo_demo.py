@@ -30,8 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-from common import ROOT, children_cpu_s, cpu_name, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, exact_rate, shardlm, sign_test
+
+from shardlm.config import load_config
 
 LENGTHS = {n: 1.0 for n in range(2, 11)} | {11: 0.3, 12: 0.15}  # the corpus's string lengths and their weights
 ASKED = 13  # the length RL and the held-out prompts ask for
@@ -47,13 +48,16 @@ def write_task(folder: Path, seed: int, documents: int = 150_000, prompts: int =
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     lengths, weights = list(LENGTHS), list(LENGTHS.values())
-    with open(folder / "corpus.jsonl", "w") as f:
+    with open(folder / "corpus.jsonl", "w") as f, open(folder / "chat_sft.jsonl", "w") as chat_sft:
         written = 0
         while written < documents:
             s = "".join(rng.sample(string.ascii_lowercase, rng.choices(lengths, weights)[0]))
             if not held_out(s, seed):
                 f.write(json.dumps({"text": f"{s}>{''.join(sorted(s))}"}) + "\n")
                 written += 1
+                if len(s) <= CHAT_SFT:  # the chat flow's instruction tuning: the corpus's shorter strings, asked
+                    turns = [*ask(s), {"role": "assistant", "content": "".join(sorted(s))}]
+                    chat_sft.write(json.dumps({"messages": turns}) + "\n")
     train: list[dict] = []
     held: list[dict] = []
     while len(train) < prompts or len(held) < heldout:
@@ -65,11 +69,6 @@ def write_task(folder: Path, seed: int, documents: int = 150_000, prompts: int =
         (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         chat = [{"prompt": ask(r["prompt"][:-1]), "answer": r["answer"]} for r in rows]
         (folder / f"chat_{name}").write_text("".join(json.dumps(r) + "\n" for r in chat))
-    with open(folder / "corpus.jsonl") as f, open(folder / "chat_sft.jsonl", "w") as out:
-        for line in f:  # the chat flow's instruction tuning: the corpus's strings of up to CHAT_SFT letters, asked
-            s, answer = json.loads(line)["text"].split(">")
-            if len(s) <= CHAT_SFT:
-                out.write(json.dumps({"messages": [*ask(s), {"role": "assistant", "content": answer}]}) + "\n")
 
 
 def ask(s: str) -> list[dict]:
@@ -81,9 +80,11 @@ def answers(export: Path, rows: list[dict], samples: int = 0) -> list[list[str]]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from shardlm.tokenizer import end_of_turn_id
+
     tok = AutoTokenizer.from_pretrained(export)
     model = AutoModelForCausalLM.from_pretrained(export).eval()
-    stops = [tok.eos_token_id, *([tok.convert_tokens_to_ids("<|im_end|>")] if "<|im_end|>" in tok.get_vocab() else [])]
+    stops = [tok.eos_token_id, end_of_turn_id(tok)]  # a text answer ends at EOS, a chat answer at the turn's end
     torch.manual_seed(0)
     out = []
     with torch.no_grad():
@@ -118,7 +119,7 @@ def pass_at_k(export: Path, rows: list[dict], n: int = 16) -> dict:
 
 
 def rate(rows: list[dict]) -> float:
-    return round(sum(r["exact"] for r in rows) / len(rows), 4)
+    return round(exact_rate(rows), 4)
 
 
 def curve(run: Path) -> dict:
@@ -184,20 +185,21 @@ def main() -> None:
     rl_cpu = timed("train", "grpo_tiny", f"model.name={work / 'base-hf'}", *data, f"out_dir={work / 'grpo'}",
                    f"train.seed={args.seed}", *quiet, *args.overrides)
     shardlm("export", str(work / "grpo"), str(work / "grpo-hf"))
-    pretrain = yaml.safe_load((ROOT / "configs" / "sort_tiny.yaml").read_text())["train"]
-    steps = max(1, round(rl_cpu / (pre_cpu / pretrain["max_steps"])))
+    pretrain = load_config("sort_tiny").train
+    steps = max(1, round(rl_cpu / (pre_cpu / pretrain.max_steps)))
     control_cpu = timed("train", "sort_tiny", f"model.name={work / 'base-hf'}", f"data.train={work / 'corpus.jsonl'}",
                         f"out_dir={work / 'control'}", f"train.max_steps={steps}", "train.warmup_steps=0",
-                        f"train.lr={pretrain['lr'] * 0.1}", "train.schedule=constant", f"train.seed={args.seed + 1}",
+                        f"train.lr={pretrain.lr * 0.1}", "train.schedule=constant", f"train.seed={args.seed + 1}",
                         "train.eval_every=0", *quiet)
     shardlm("export", str(work / "control"), str(work / "control-hf"))
     after, control = greedy(work / "grpo-hf", rows), greedy(work / "control-hf", rows)
     import torch
 
     chat = chat_flow(work, args.seed, quiet) if args.chat else None
+    gain = sign_test([before], [after])
     out = {"benchmark": "grpo_demo", "command": " ".join(["python", "benchmarks/grpo_demo.py", *sys.argv[1:]]),
            "seed": args.seed, "heldout": len(rows), "before": rate(before), "after": rate(after),
-           "p": sign_test([before], [after])["p_two_sided"], "sign_test": sign_test([before], [after]),
+           "p": gain["p_two_sided"], "sign_test": gain,
            "base_pass_at_k": passes, "control": rate(control),
            "control_sign_test": sign_test([before], [control]), "control_steps": steps,
            "cpu_minutes": {"pretraining": round(pre_cpu / 60, 2), "grpo": round(rl_cpu / 60, 2),
