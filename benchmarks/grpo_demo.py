@@ -36,6 +36,7 @@ from shardlm.config import load_config
 
 LENGTHS = {n: 1.0 for n in range(2, 11)} | {11: 0.3, 12: 0.15}  # the corpus's string lengths and their weights
 ASKED = 13  # the length RL and the held-out prompts ask for
+RUNS = ("base", "grpo", "control", "chat-sft", "chat-grpo")  # the runs a demo trains into --work
 CHAT_SFT = 10  # --chat: the longest string its instruction tuning shows (with 12, it sorts 13 at 0.94 before RL)
 
 
@@ -170,6 +171,10 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value for the GRPO run (configs/grpo_tiny.yaml)")
     args = ap.parse_args()
     work = Path(args.work).resolve()
+    made = [name for name in RUNS if (work / name).exists()]
+    if made and not args.data_only:  # `shardlm train` into a finished run trains nothing: the CPU times would be 0
+        raise SystemExit(f"{work} already holds this demo's runs ({', '.join(made)}): remove them (rm -r "
+                         f"{' '.join(str(work / name) for name in made)}) or give another --work folder.")
     began = time.time()
     write_task(work, args.seed)
     if args.data_only:

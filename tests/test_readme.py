@@ -194,6 +194,18 @@ def test_the_rl_demos_task_keeps_its_held_out_strings_out(tmp_path, monkeypatch)
     assert max(len(m[1]["content"]) for m in sft) == demo.CHAT_SFT and not held & {m[0]["content"][6:] for m in sft}
 
 
+def test_the_rl_demo_refuses_a_folder_holding_its_earlier_runs(tmp_path):
+    """A second `make demo-rl` into the same folder would train nothing (its runs are finished) and report CPU times
+    of 0: it stops in one line naming the fix, and writes nothing."""
+    import subprocess
+
+    (tmp_path / "grpo").mkdir()
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "grpo_demo.py"), "--work", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and f"{tmp_path} already holds this demo's runs (grpo): remove them" in run.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["grpo"]
+
+
 def test_options_overrides_and_files_mix_in_any_order(capsys):
     args = parse_args(["train", "a.yaml", "--nproc", "4", "train.lr=1", "--debug", "b.yaml", "out_dir=x"])
     assert (args.nproc, args.debug, args.rest) == (4, True, ["a.yaml", "train.lr=1", "b.yaml", "out_dir=x"])
