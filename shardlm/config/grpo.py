@@ -72,6 +72,7 @@ def check_grpo(cfg: Config) -> None:
         raise ShardlmError("grpo.dynamic_sampling decides which prompts a round holds from its rewards, while "
                            "grpo.max_staleness samples rounds ahead of time: use one of them.")
     check_engine(g, cfg.data.seq_len)
+    check_tools(g)
     if g.use_vllm and g.vllm_lora_adapters and cfg.lora.r > VLLM_LORA_RANKS[-1]:
         raise ShardlmError(f"lora.r={cfg.lora.r} is above the largest LoRA rank vLLM applies "
                            f"({VLLM_LORA_RANKS[-1]}): set grpo.vllm_lora_adapters=false to send it merged weights, "
@@ -152,3 +153,18 @@ def steps_per_round(g: GrpoConfig, batch: int, accum: int, world: int) -> int:
                            f"completions, {step} ({world} device{'s' * (world != 1)} x train.batch_size={batch} x "
                            f"train.grad_accum={accum}): e.g. {2 * step} for a round that feeds 2 steps.")
     return g.generation_batch_size // step
+
+
+def check_tools(g: GrpoConfig) -> None:
+    """Tool-calling episodes: the built-in sampler runs them, synchronously, one round at a time."""
+    if g.max_tool_calling_iterations is not None:
+        _range("grpo.max_tool_calling_iterations", g.max_tool_calling_iterations, g.max_tool_calling_iterations >= 0,
+               ">= 0 (null = no limit)")
+    _range("grpo.tool_timeout", g.tool_timeout, g.tool_timeout >= 0, ">= 0 (0 = no limit)")
+    if not (g.tools or g.environment_factory):
+        return
+    for on, key in ((g.use_vllm, "grpo.use_vllm"), (g.max_staleness, "grpo.max_staleness"),
+                    (g.dynamic_sampling, "grpo.dynamic_sampling")):
+        if on:
+            raise ShardlmError(f"{key} cannot run tool-calling episodes yet (grpo.tools / "
+                               f"grpo.environment_factory): the built-in sampler runs them. Unset {key}.")

@@ -174,6 +174,10 @@ class GrpoConfig:
     vllm_importance_sampling_mode: str = "sequence_mask"  # token_truncate | token_mask | sequence_truncate | ..._mask
     vllm_importance_sampling_clip_max: float | None = 3.0  # truncate: the ratio's cap; mask: ratios above it weigh 0
     vllm_importance_sampling_clip_min: float | None = None  # the lower bound alike; null = none
+    tools: list[str] = field(default_factory=list)  # module:function tools the model may call in its turns (rl.md)
+    max_tool_calling_iterations: int | None = None  # tool rounds an episode may take at most; null = no limit (TRL)
+    environment_factory: str | None = None  # module:Class: an environment per completion; its methods are tools
+    tool_timeout: float = 0.0  # seconds a tool call may take before its message is a timeout error; 0 = no limit
 
 
 @dataclass

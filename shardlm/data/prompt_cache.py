@@ -33,9 +33,9 @@ PROMPTS_FORMAT = 2  # 2: a null `answer` is left out of the fields (caches of 1 
 Log = Callable[[str], None]
 
 
-def prompts_key(source: Source, tok, cfg: DataConfig) -> str:
+def prompts_key(source: Source, tok, cfg: DataConfig, tools: list[dict] | None = None) -> str:
     ident = [PROMPTS_FORMAT, source.identity(), fingerprint(tok), template_fingerprint(tok), cfg.system_prompt,
-             cfg.on_bad_example]
+             cfg.on_bad_example] + ([tools] if tools else [])  # the schemas are rendered into every prompt
     return "rl-" + hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
 
 
@@ -58,7 +58,7 @@ def _is_json(value) -> bool:
     return True
 
 
-def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
+def _write(source: Source, tok, cfg: DataConfig, tmp: Path, tools: list[dict] | None = None) -> dict:
     dtype = np.uint16 if len(tok) <= np.iinfo(np.uint16).max + 1 else np.uint32
     offsets, lines, skipped = [0], [0], []  # type: list[int], list[int], list[str]
     fields = FieldCount()
@@ -66,7 +66,7 @@ def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
         for where, record in iter_records(source):
             try:
                 p = rl_prompt(record, where, cfg.system_prompt)
-                line, ids = _line(where, p), prompt_token_ids(tok, p, where)
+                line, ids = _line(where, p), prompt_token_ids(tok, p, where, tools)
             except BadExample as e:
                 if cfg.on_bad_example != "skip":
                     raise
@@ -88,13 +88,14 @@ def _write(source: Source, tok, cfg: DataConfig, tmp: Path) -> dict:
             **fields.meta(), "longest": int(lengths.max()), "skipped": len(skipped), "first_skipped": skipped[:3]}
 
 
-def build_prompts(source: Source, tok, cfg: DataConfig, root: Path, log: Log = print) -> Path:
-    """The prompt cache folder of `source`, built first when none is complete."""
-    folder = root / prompts_key(source, tok, cfg)
+def build_prompts(source: Source, tok, cfg: DataConfig, root: Path, log: Log = print,
+                  tools: list[dict] | None = None) -> Path:
+    """The prompt cache folder of `source` (rendered with the tools' schemas), built first when none is complete."""
+    folder = root / prompts_key(source, tok, cfg, tools)
 
     def write(tmp: Path) -> dict:
         log(f"rendering the prompts of {source.spec} -> {folder}")
-        return {**_write(source, tok, cfg, tmp), "source": source.spec,
+        return {**_write(source, tok, cfg, tmp, tools), "source": source.spec,
                 "tokenizer": getattr(tok, "name_or_path", "")}
 
     folder, meta = build_once(folder, write, log)
@@ -132,14 +133,14 @@ def load_prompts(folder: Path) -> PromptRows:
                       meta={**meta, "folder": str(folder)})
 
 
-def prompts_in_memory(source: Source, tok, cfg: DataConfig) -> PromptRows:
+def prompts_in_memory(source: Source, tok, cfg: DataConfig, tools: list[dict] | None = None) -> PromptRows:
     """A source's prompts that write nothing that stays (`--dry-run`): its cache when built, else one built in a
     temporary folder and read into memory."""
-    folder = cache_root(cfg.cache_dir) / prompts_key(source, tok, cfg)
+    folder = cache_root(cfg.cache_dir) / prompts_key(source, tok, cfg, tools)
     if (folder / "meta.json").is_file() and damage(folder) is None:
         return load_prompts(folder)
     with tempfile.TemporaryDirectory(prefix="shardlm-dry-") as tmp:
-        return load_prompts(build_prompts(source, tok, cfg, Path(tmp), log=lambda _: None)).in_memory()
+        return load_prompts(build_prompts(source, tok, cfg, Path(tmp), log=lambda _: None, tools=tools)).in_memory()
 
 
 def prompt_source(spec: str, cfg: DataConfig, default_split: str, key: str) -> Source:
@@ -154,15 +155,16 @@ def prompt_source(spec: str, cfg: DataConfig, default_split: str, key: str) -> S
     return source
 
 
-def load_prompt_split(spec: str, cfg: DataConfig, tok, dist, default_split: str, key: str) -> PromptRows:
+def load_prompt_split(spec: str, cfg: DataConfig, tok, dist, default_split: str, key: str,
+                      tools: list[dict] | None = None) -> PromptRows:
     """One source's prompts: rank 0 builds the cache while the others wait for it (a rank that cannot see its
     folder builds its own, as `load_split` does); `dist` None writes nothing (a dry run)."""
     source = prompt_source(spec, cfg, default_split, key)
     if dist is None:
-        return prompts_in_memory(source, tok, cfg)
+        return prompts_in_memory(source, tok, cfg, tools)
 
     def build() -> str:
-        return str(build_prompts(source, tok, cfg, cache_root(cfg.cache_dir), log=dist.print))
+        return str(build_prompts(source, tok, cfg, cache_root(cfg.cache_dir), log=dist.print, tools=tools))
 
     path = Path(dist.run_on_main(build))
     if not (path / "meta.json").is_file():
@@ -178,12 +180,12 @@ def one_source(cfg: DataConfig) -> str:
     return cfg.train
 
 
-def prepare_prompts(cfg: DataConfig, tok, dist) -> tuple[PromptRows, PromptRows]:
+def prepare_prompts(cfg: DataConfig, tok, dist, tools: list[dict] | None = None) -> tuple[PromptRows, PromptRows]:
     """The training and validation prompts: data.val's, or the last data.val_fraction of data.train's held out
     (the same cache, another range). `dist` None: a dry run, which writes nothing."""
-    train = load_prompt_split(one_source(cfg), cfg, tok, dist, "train", "data.train")
+    train = load_prompt_split(one_source(cfg), cfg, tok, dist, "train", "data.train", tools)
     if cfg.val:
-        val = load_prompt_split(cfg.val, cfg, tok, dist, "validation", "data.val")
+        val = load_prompt_split(cfg.val, cfg, tok, dist, "validation", "data.val", tools)
     else:
         cut = int(len(train) * (1 - cfg.val_fraction))
         train, val = train.share(0, cut), train.share(cut)

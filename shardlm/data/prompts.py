@@ -99,17 +99,23 @@ def rl_prompt(record: dict, where: str, system: str | None = None) -> RLPrompt:
                      "prompt record is {\"prompt\": text or messages, ...fields for the rewards}.")
 
 
-def prompt_token_ids(tok, prompt: RLPrompt, where: str = "a prompt") -> list[int]:
-    """The ids the sampler continues; a conversation with no template, or one its template refuses, is one line
-    naming `where` (the template's refusal a BadExample: data.on_bad_example=skip leaves that prompt out)."""
+def prompt_token_ids(tok, prompt: RLPrompt, where: str = "a prompt", tools: list[dict] | None = None) -> list[int]:
+    """The ids the sampler continues, the tools' schemas rendered by the template; a conversation with no template,
+    or one its template refuses, is one line naming `where` (the template's refusal a BadExample:
+    data.on_bad_example=skip leaves that prompt out)."""
     if not prompt.conversational:
+        if tools:
+            raise ShardlmError(f"{where}: a text prompt cannot offer tools: the chat template renders their schemas "
+                               "and the tool turns. Give prompts as conversations ({\"prompt\": [{\"role\": "
+                               "\"user\", \"content\": ...}]}).")
         return list(tok(prompt.prompt)["input_ids"])
     if not getattr(tok, "chat_template", None):
         raise ShardlmError(f"{where}: a conversation needs a chat template and tokenizer "
                            f"'{getattr(tok, 'name_or_path', '')}' has none. Set model.chat_template to chatml, plain "
                            "or a .jinja file.")
     try:
-        out = tok.apply_chat_template(prompt.prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out = tok.apply_chat_template(prompt.prompt, tools=tools or None, add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateError, or the template's own raise_exception
         raise BadExample(f"{where}: the chat template refuses this conversation ({str(e).splitlines()[0]}). Fix "
                          "the roles or order of its messages, or use a template that accepts them "

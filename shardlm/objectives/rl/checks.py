@@ -12,11 +12,13 @@ from shardlm.config.grpo import steps_per_round
 from shardlm.data import PromptRows, check_prompts_fit, prepare_prompts
 from shardlm.data.prompts import completion_for_rewards
 from shardlm.objectives.rl.rewards import call, load_rewards
+from shardlm.objectives.rl.tools import load_toolbox, probe_tools, tool_fields, with_environment_reward
 
 
 def load_prompts(cfg: Config, tokenizer: Any, dist: Any) -> tuple[PromptRows, PromptRows]:
     """The prompts completions are sampled from (`dist` None: rendered in memory, as the dry run reads them)."""
-    return prepare_prompts(cfg.data, tokenizer, dist)
+    box = load_toolbox(cfg.grpo, tokenizer)
+    return prepare_prompts(cfg.data, tokenizer, dist, box.schemas if box else None)
 
 
 def check_prompts(cfg: Config, train: Any, val: Any) -> None:
@@ -49,12 +51,13 @@ def count_rl_steps(cfg: Config, train: PromptRows, world: int) -> int:
     return int(t.epochs * len(train) // per_step) * g.num_iterations
 
 
-def probe_rewards(cfg: Config, rows: PromptRows) -> list[str]:
+def probe_rewards(cfg: Config, rows: PromptRows, tokenizer: Any = None) -> list[str]:
     """Every reward of grpo.rewards called once, as the run calls it, on two completions of the first prompt: its
     `answer` (or 'x') and the empty completion a model may sample. A module that does not import, a signature that
     does not take the call, a field the data lacks, a raise, a wrong count, NaN or a wrong type then stop the run
     before the model is loaded, not at its first step. The lines say what each returned (the dry run's)."""
-    rewards = load_rewards(cfg.grpo, rows.field_names)
+    box = load_toolbox(cfg.grpo, tokenizer) if tokenizer is not None else None
+    rewards = with_environment_reward(load_rewards(cfg.grpo, tool_fields(rows.field_names, box)), box)
     if not len(rows):
         return []
     p, ids = rows.prompt(0), rows.token_ids(0)
@@ -62,6 +65,8 @@ def probe_rewards(cfg: Config, rows: PromptRows) -> list[str]:
     texts = [answer if isinstance(answer, str) and answer.strip() else "x", ""]
     completion_ids = [ids[:max(1, min(len(ids), cfg.grpo.max_completion_length))], []]  # their lengths only
     fields = {k: [v] * len(texts) for k, v in p.fields.items()}
+    if box is not None and box.factory is not None:
+        fields["environments"] = [box.episode(p.fields)[1] for _ in texts]  # reset runs here first
     lines = []
     for reward in rewards.rewards:
         try:
@@ -117,7 +122,8 @@ def prompt_lines(cfg: Config, tokenizer: Any, train: PromptRows) -> list[str]:
     return [train.describe(),
             f"first prompt ({_shown(train.where(0))}) as the sampler continues it, {len(train.token_ids(0))} tokens:\n"
             f"{tokenizer.decode(train.token_ids(0))}",
-            f"its fields for the rewards: {fields}", *probe_rewards(cfg, train)]
+            f"its fields for the rewards: {fields}", *probe_rewards(cfg, train, tokenizer),
+            *probe_tools(load_toolbox(cfg.grpo, tokenizer), tokenizer, p.fields)]
 
 
 def _shown(where: str) -> str:

@@ -21,7 +21,9 @@ def sampler_logps(rollout: Any, span: range, lengths: torch.Tensor) -> torch.Ten
     None where the sampler gave none."""
     if not rollout.logps:
         return None
-    flat = torch.tensor([x for i in span for x in rollout.logps[i]], dtype=torch.float32, device=lengths.device)
+    marks = rollout.trainable or [[1] * len(c) for c in rollout.completions]  # a tool result's tokens are no targets
+    flat = torch.tensor([x for i in span for x, m in zip(rollout.logps[i], marks[i], strict=True) if m],
+                        dtype=torch.float32, device=lengths.device)
     return torch.zeros(lengths.shape, device=lengths.device).masked_scatter(lengths, flat)
 
 

@@ -40,10 +40,11 @@ def completion_logps(model: Any, batch: dict[str, torch.Tensor], temperature: fl
     return logps, entropy
 
 
-def micro_batch(prompts: list[list[int]], completions: list[list[int]], pad: int, device: torch.device
+def micro_batch(prompts: list[list[int]], completions: list[list[int]], pad: int, device: torch.device,
+                trainable: list[list[int]] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, positions, targets, lengths) of rows prompt + completion: completion token j is the target of the
-    position before it."""
+    position before it, unless `trainable` marks it 0 (a tool's result: context, never a target)."""
     rows = [p + c for p, c in zip(prompts, completions, strict=True)]
     width, longest = max(map(len, rows)), max(map(len, completions))
     tokens = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -51,19 +52,22 @@ def micro_batch(prompts: list[list[int]], completions: list[list[int]], pad: int
     lengths = torch.zeros((len(rows), longest), dtype=torch.bool)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
-        targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c)
-        lengths[i, :len(c)] = True
+        keep = torch.tensor(trainable[i], dtype=torch.bool) if trainable else torch.ones(len(c), dtype=torch.bool)
+        targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.where(keep, torch.tensor(c), IGNORE)
+        lengths[i, :len(c)] = keep
     positions = torch.arange(width).expand(len(rows), width)
     return tokens.to(device), positions.to(device), targets.to(device), lengths.to(device)
 
 
-def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: int, pad: int, device: torch.device
+def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: int, pad: int, device: torch.device,
+                 trainable: list[list[int]] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, positions, targets, lengths, mask): one row per prompt holding its `group` completions, the prompt's
     tokens once. A segment per completion repeats the prompt's last token (whose output predicts the completion's
     first token) at its own position, then the completion but its last token; the 4D boolean mask lets a segment see
     the prompt and its own earlier tokens only. Each completion's log-probabilities are those of its own row
-    prompt + completion, at a fraction of the tokens when prompts are long beside their completions."""
+    prompt + completion, at a fraction of the tokens when prompts are long beside their completions. A token
+    `trainable` marks 0 is context only, as in micro_batch."""
     rows = []
     for p, prompt in enumerate(prompts):
         tokens, positions, targets, segment = prompt[:-1], list(range(len(prompt) - 1)), [IGNORE] * (len(prompt) - 1), \
@@ -72,7 +76,9 @@ def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: 
             c = completions[p * group + j]
             tokens = tokens + [prompt[-1], *c[:-1]]
             positions = positions + list(range(len(prompt) - 1, len(prompt) - 1 + len(c)))
-            targets, segment = targets + c, segment + [j] * len(c)
+            keep = trainable[p * group + j] if trainable else [1] * len(c)
+            targets = targets + [t if k else IGNORE for t, k in zip(c, keep, strict=True)]
+            segment = segment + [j] * len(c)
         rows.append((tokens, positions, targets, segment))
     width = max(len(r[0]) for r in rows)
     t = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -85,7 +91,7 @@ def shared_batch(prompts: list[list[int]], completions: list[list[int]], group: 
     mask = causal & ((seg[:, :, None] == seg[:, None, :]) | (seg[:, None, :] == -1))  # (rows, query, key)
     lengths = torch.zeros((len(completions), max(map(len, completions))), dtype=torch.bool)
     for i, c in enumerate(completions):
-        lengths[i, :len(c)] = True
+        lengths[i, :len(c)] = torch.tensor(trainable[i], dtype=torch.bool) if trainable else True
     return t.to(device), pos.to(device), tg.to(device), lengths.to(device), mask[:, None].to(device)
 
 

@@ -152,11 +152,11 @@ def builtin(name: str, g: GrpoConfig) -> Reward:
     return Reward(name, fn, ("answer",))
 
 
-def _import_module(spec: str, name: str):
+def _import_module(spec: str, name: str, noun: str = "reward"):
     where = Path(spec).expanduser()
     if spec.endswith(".py"):
         if not where.is_file():
-            raise ShardlmError(f"reward '{name}': file '{spec}' does not exist: give an existing .py file or an "
+            raise ShardlmError(f"{noun} '{name}': file '{spec}' does not exist: give an existing .py file or an "
                                "importable module.")
         loader = importlib.util.spec_from_file_location(where.stem, where)
         assert loader is not None and loader.loader is not None
@@ -171,23 +171,32 @@ def _import_module(spec: str, name: str):
         sys.path.remove(str(Path.cwd()))
 
 
-def user_reward(name: str) -> Reward:
+def import_named(name: str, noun: str = "reward", key: str = "grpo.rewards") -> Any:
+    """`module:attribute` (the module a .py file or an importable name), each failure one line naming `noun`."""
     module_name, _, attr = name.rpartition(":")
+    if not module_name or not attr:
+        raise ShardlmError(f"{key}: {noun} '{name}' is not module:name (e.g. my_tools.py:add or my_tools:add).")
     try:
-        module = _import_module(module_name, name)
+        module = _import_module(module_name, name, noun)
     except ShardlmError:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of the user's module is reported the same way
-        raise ShardlmError(f"reward '{name}': module '{module_name}' does not import ({type(e).__name__}: {e}). "
+        raise ShardlmError(f"{noun} '{name}': module '{module_name}' does not import ({type(e).__name__}: {e}). "
                            "Fix it, or put it in the current folder or on PYTHONPATH.") from None
     fn = getattr(module, attr, None)
     if fn is None:
-        functions = [n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_")]
-        hint = nearest(attr, functions) or f" Its functions: {', '.join(functions) or 'none'}."
-        raise ShardlmError(f"reward '{name}': module '{module_name}' has no '{attr}'.{hint} Name a function of it.")
+        kind, wanted = ("class", inspect.isclass) if noun == "environment" else ("function", inspect.isfunction)
+        names = [n for n, v in vars(module).items() if wanted(v) and not n.startswith("_")]
+        hint = nearest(attr, names) or f" Its {kind}s: {', '.join(names) or 'none'}."
+        raise ShardlmError(f"{noun} '{name}': module '{module_name}' has no '{attr}'.{hint} Name a {kind} of it.")
     if not callable(fn):
-        raise ShardlmError(f"reward '{name}' is a {type(fn).__name__}, not a function: {SIGNATURE}.")
-    return Reward(name, fn, ())
+        raise ShardlmError(f"{noun} '{name}' is a {type(fn).__name__}, not a function: {SIGNATURE}." if
+                           noun == "reward" else f"{noun} '{name}' is a {type(fn).__name__}, not callable.")
+    return fn
+
+
+def user_reward(name: str) -> Reward:
+    return Reward(name, import_named(name), ())
 
 
 def check_call(reward: Reward, fields: Sequence[str]) -> None:

@@ -22,8 +22,11 @@ from shardlm import ShardlmError
 from shardlm.config import GrpoConfig
 from shardlm.data.prompts import PromptRows, RLPrompt, completion_for_rewards
 from shardlm.objectives.rl.loss import EPS, Advantages, group_advantages, rloo_advantages
+from shardlm.objectives.rl.multiturn import sample_episodes
 from shardlm.objectives.rl.rewards import RewardSet
 from shardlm.objectives.rl.sampling import Rollout, Sampler, SamplingParams
+from shardlm.objectives.rl.tools import Toolbox
+from shardlm.tokenizer import end_of_turn_id
 
 AllReduce = Callable[[torch.Tensor, str], None]
 
@@ -66,23 +69,32 @@ def _batch_scaled(per_func: torch.Tensor, weights: torch.Tensor, group: int, all
 
 def score_round(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list[list[int]], keys: Sequence[int],
                 rewards: RewardSet, g: GrpoConfig, params: SamplingParams, objective: str = "grpo",
-                all_reduce: AllReduce | None = None) -> ScoredRound:
+                all_reduce: AllReduce | None = None, box: Toolbox | None = None) -> ScoredRound:
     rollout, texts, per_func = sample_and_reward(sampler, tok, prompts, prompt_ids, keys, rewards, g, params,
-                                                 all_reduce)
+                                                 all_reduce, box)
     return with_advantages(rollout, texts, per_func, rewards, g, objective, all_reduce)
 
 
 def sample_and_reward(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids: list[list[int]],
                       keys: Sequence[int], rewards: RewardSet, g: GrpoConfig, params: SamplingParams,
-                      all_reduce: AllReduce | None = None) -> tuple[Rollout, list[str], torch.Tensor]:
-    """The completions of a round, decoded, and each reward function's value of each (NaN: it returned None)."""
-    rollout = sampler.sample(prompt_ids, keys, params)
-    texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
-    owners = [prompts[i // g.group] for i in range(len(texts))]
+                      all_reduce: AllReduce | None = None, box: Toolbox | None = None
+                      ) -> tuple[Rollout, list[str], torch.Tensor]:
+    """The completions of a round (tool-calling episodes with `box`), decoded, and each reward function's value of
+    each (NaN: it returned None)."""
+    group = g.group
+    owners = [prompts[i // group] for i in range(len(prompts) * group)]
     fields = {k: [p.fields.get(k) for p in owners] for k in dict.fromkeys(k for p in prompts for k in p.fields)}
-    per_func = rewards.score([p.prompt for p in owners], [completion_for_rewards(t, p) for t, p in
-                                                          zip(texts, owners, strict=True)],
-                             rollout.completions, fields)
+    if box is None:
+        rollout = sampler.sample(prompt_ids, keys, params)
+        texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
+        completions: list = [completion_for_rewards(t, p) for t, p in zip(texts, owners, strict=True)]
+    else:
+        episodes = sample_episodes(sampler, tok, box, prompts, prompt_ids, keys, params, end_of_turn_id(tok))
+        rollout, completions = episodes.rollout, episodes.messages  # TRL's: every assistant and tool turn
+        texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
+        if box.factory is not None:
+            fields["environments"] = episodes.environments
+    per_func = rewards.score([p.prompt for p in owners], completions, rollout.completions, fields)
     check_applied(per_func, rewards, all_reduce)
     return rollout, texts, per_func
 
@@ -144,7 +156,9 @@ def round_metrics(r: ScoredRound, names: list[str], all_reduce: AllReduce | None
     """TRL's generation metrics of a round, over every rank: each reward's mean and std (where it applied), the
     weighted reward's, the share of completions whose group's rewards are all equal, completion lengths (all, and
     those that ended with a stop token) and the share cut at max_completion_length."""
-    lengths = torch.tensor([len(c) for c in r.rollout.completions], dtype=torch.double)
+    marks = r.rollout.trainable  # with tools, TRL's lengths count the model's tokens only
+    lengths = torch.tensor([sum(m) for m in marks] if marks else [len(c) for c in r.rollout.completions],
+                           dtype=torch.double)
     terminated = ~torch.tensor(r.rollout.truncated, dtype=torch.bool)
     columns = [*r.per_func.double().unbind(1), r.scored.rewards.double()]
     stats = []
@@ -170,7 +184,22 @@ def round_metrics(r: ScoredRound, names: list[str], all_reduce: AllReduce | None
             "completions/min_length": -extremes[0].item(), "completions/max_length": extremes[1].item(),
             "completions/clipped_ratio": 1 - term_count / max(count, 1),
             "completions/mean_terminated_length": term_sum / term_count if term_count else 0.0}
-    return out
+    return out | tool_metrics(r.rollout, all_reduce)
+
+
+def tool_metrics(rollout: Rollout, all_reduce: AllReduce | None) -> dict[str, float]:
+    """Tool episodes, over every rank: calls per completion and the share that failed (TRL's
+    tools/call_frequency and tools/failure_frequency), model turns per completion, the share that called a tool."""
+    if not rollout.tools:
+        return {}
+    t = rollout.tools
+    sums = torch.tensor([t["calls"], t["failed"], t["turns"], t["calling"], float(len(rollout.completions))],
+                        dtype=torch.double)
+    if all_reduce is not None:
+        all_reduce(sums, "sum")
+    calls, failed, turns, calling, n = sums.tolist()
+    return {"tools/call_frequency": calls / max(n, 1), "tools/failure_frequency": failed / calls if calls else 0.0,
+            "tools/turns": turns / max(n, 1), "tools/calling": calling / max(n, 1)}
 
 
 @contextlib.contextmanager

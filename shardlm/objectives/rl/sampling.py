@@ -52,6 +52,8 @@ class Rollout:
     truncated: list[bool]  # cut at max_tokens without a stop token
     group: int
     logps: list[list[float]] = field(default_factory=list)  # each completion token's, from the sampler (`draw`)
+    trainable: list[list[int]] = field(default_factory=list)  # per token, 0 for a tool's result; [] = all trained
+    tools: dict[str, float] = field(default_factory=dict)  # tool episodes: calls, failed calls, turns (sums)
 
     def prompt_of(self, row: int) -> list[int]:
         return self.prompts[row // self.group]
@@ -69,7 +71,8 @@ class Rollout:
                                            dtype=torch.long),
             "completion_mask": torch.tensor([[1] * len(c) + [0] * (length - len(c)) for c in self.completions],
                                             dtype=torch.long),
-        }
+        } | ({"tool_mask": torch.tensor([m + [1] * (length - len(m)) for m in self.trainable], dtype=torch.long)}
+             if self.trainable else {})
 
 
 class Sampler(Protocol):

@@ -53,6 +53,7 @@ from shardlm.objectives.rl.loss import (
 from shardlm.objectives.rl.rollout import ScoredRound, eager, prompt_split, round_metrics, sampling_params, score_round
 from shardlm.objectives.rl.sampling import Sampler, TransformersSampler
 from shardlm.objectives.rl.server import ServerSampler, wait_for_server
+from shardlm.objectives.rl.tools import load_toolbox, tool_fields, with_environment_reward
 from shardlm.objectives.rl.validate import describe_prompts, validate_prompts
 from shardlm.tokenizer import end_of_turn_id
 
@@ -161,7 +162,9 @@ class RLStep(Defaults):
         self.per_rank = batch * accum // g.group  # prompts of a step on each rank
         self.per_step = self.per_rank * self.world
         self.steps = steps_per_round(g, batch, accum, self.world)  # optimizer steps a round serves, each its slice
-        self.rewards = load_rewards(g, prompt_split(run.train, "training").field_names)
+        self.box = load_toolbox(g, self.tok)
+        self.rewards = with_environment_reward(load_rewards(g, tool_fields(
+            prompt_split(run.train, "training").field_names, self.box)), self.box)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
         # token ids in, token ids (and their log-probabilities) out: shardlm's own decode, or a vLLM engine
         self.engine: VLLMSampler | ServerSampler | None = None
@@ -256,7 +259,7 @@ class RLStep(Defaults):
             sampler: Any = self.sampler if ready is None else Sampled(ready[0])
             with eager(), self.autocast():  # the run's compute context (plain bf16's blocks expect autocast)
                 scored = score_round(sampler, self.tok, prompts, ids, keys, self.rewards, self.g, self.params,
-                                     self.objective, self.all_reduce)
+                                     self.objective, self.all_reduce, self.box)
         metrics = round_metrics(scored, self.rewards.metric_names, self.all_reduce) | extra
         if self.ahead:
             metrics["sampling/policy_lag"] = float(self.trained - (self.synced_at if ready is None else ready[1]))
@@ -267,12 +270,13 @@ class RLStep(Defaults):
             span = range(m * self.batch, (m + 1) * self.batch)
             completions = [r.completions[i] for i in span]
             attention, group = None, self.g.group
+            marks = [r.trainable[i] for i in span] if r.trainable else None
             if self.shared and shared_pays(r.prompts[span.start // group:span.stop // group], completions, group):
                 tokens, positions, targets, lengths, attention = shared_batch(
-                    r.prompts[span.start // group:span.stop // group], completions, group, self.pad, device)
+                    r.prompts[span.start // group:span.stop // group], completions, group, self.pad, device, marks)
             else:
                 tokens, positions, targets, lengths = micro_batch([r.prompt_of(i) for i in span], completions,
-                                                                  self.pad, device)
+                                                                  self.pad, device, marks)
             mask = lengths.float() * scored.loss_mask[span.start:span.stop, None].to(device)
             micro.append(MicroBatch(tokens, positions, targets, lengths, mask,
                                     scored.scored.advantages[span.start:span.stop].to(device), attention=attention,

@@ -1,0 +1,237 @@
+"""Tool-calling episodes in online RL (grpo.tools, grpo.environment_factory): calls read from the template's format,
+bad calls as the tool's message, the tool turn's ids as TRL renders them, the mask that keeps them out of the loss,
+and the episode loop's budget, rounds and metrics."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from shardlm import ShardlmError
+from shardlm.config import GrpoConfig
+from shardlm.data.blocks import IGNORE
+from shardlm.data.prompts import RLPrompt
+from shardlm.objectives.rl.logps import micro_batch
+from shardlm.objectives.rl.multiturn import sample_episodes
+from shardlm.objectives.rl.rewards import RewardSet
+from shardlm.objectives.rl.rollout import round_metrics, sampling_params, score_round
+from shardlm.objectives.rl.sampling import Rollout
+from shardlm.objectives.rl.tools import (
+    Call,
+    load_toolbox,
+    parse_calls,
+    run_call,
+    tool_format,
+    tool_turn_ids,
+    with_environment_reward,
+)
+from shardlm.tokenizer import byte_tokenizer, end_of_turn_id, set_chat_template
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: the first factor
+        b: the second factor
+    """
+    return a * b
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+class Guess:
+    """An environment: a secret number from the prompt's fields; `guess` says higher, lower or right."""
+
+    def reset(self, secret: int, **_) -> str:
+        self.secret, self.right = secret, False
+        return " (between 1 and 9)"
+
+    def guess(self, n: int) -> str:
+        """Guess the number.
+
+        Args:
+            n: the guess
+        """
+        self.right = n == self.secret
+        return "right" if self.right else "higher" if n < self.secret else "lower"
+
+    def get_reward(self) -> float:
+        return float(self.right)
+
+
+def qwen_tokenizer():
+    """The byte tokenizer with ChatML's tokens under Qwen2.5's own template (it renders Hermes tool calls)."""
+    tok = byte_tokenizer()
+    set_chat_template(tok, "chatml")
+    tok.chat_template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    return tok
+
+
+def test_calls_are_read_from_the_templates_format_and_an_unknown_format_is_refused():
+    hermes = ('Sure.\n<tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+              '<tool_call>{"name": "nope", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert parse_calls(hermes, "hermes") == [Call("multiply", {"a": 2, "b": 3}), Call("nope", {"x": 1})]
+    assert parse_calls("<tool_call>{\"name\": \"multiply\", \"argu</tool_call>", "hermes")[0].error.startswith(
+        "the tool call is not valid JSON")
+    assert parse_calls('<tool_call>{"arguments": {}}</tool_call>', "hermes")[0].error == \
+        'the tool call must be a JSON object with a "name" string'
+    assert parse_calls("just an answer", "hermes") == []
+    assert parse_calls('<|python_tag|>{"name": "multiply", "parameters": {"a": 1, "b": 2}}', "llama3") == \
+        [Call("multiply", {"a": 1, "b": 2})]
+    assert tool_format(qwen_tokenizer()) == "hermes"
+    llama = byte_tokenizer()
+    llama.chat_template = (TEMPLATES / "llama3.jinja").read_text()
+    assert tool_format(llama) == "llama3"
+    chatml = byte_tokenizer()
+    set_chat_template(chatml, "chatml")
+    with pytest.raises(ShardlmError, match="renders no tool calls in a format shardlm reads"):
+        tool_format(chatml)
+
+
+def test_a_bad_call_is_the_tools_message():
+    tools = {"multiply": multiply, "slow": slow}
+    assert run_call(tools, Call("multiply", {"a": 6, "b": 7}), 0) == ("42", False)
+    assert run_call(tools, Call("nope", {}), 0) == ("{'error': 'Tool nope not found.'}", True)
+    content, failed = run_call(tools, Call("multiply", {"a": 1}), 0)
+    assert failed and "missing a required argument: 'b'" in content
+    assert run_call(tools, Call("multiply", [1, 2]), 0)[0] == \
+        "{'error': 'the arguments of multiply must be a JSON object, got list'}"
+    assert run_call(tools, Call("multiply", {"a": "x", "b": None}), 0)[1]  # the tool raised
+    assert run_call(tools, Call("", error="the tool call is not valid JSON"), 0) == \
+        ("{'error': 'the tool call is not valid JSON'}", True)
+    assert run_call(tools, Call("slow", {"seconds": 2.0}), 0.05) == \
+        ("{'error': 'Tool slow timed out after 0.05 s.'}", True)
+
+
+def test_the_tool_turn_is_the_ids_trl_appends():
+    """The tool turn's ids equal TRL 1.16's `_get_tool_suffix_ids` on the same template and messages."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    tok = qwen_tokenizer()
+    said = [{"role": "tool", "name": "multiply", "content": "42"}, {"role": "tool", "name": "nope", "content": "x"}]
+    # Qwen2.5-Instruct's EOS is its end of turn, <|im_end|>: TRL cuts the rendering there
+    trl_self = SimpleNamespace(processing_class=tok, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
+                               _tokenizer=SimpleNamespace(eos_token_id=end_of_turn_id(tok)))
+    ours = tool_turn_ids(tok, said, end_of_turn_id(tok))
+    assert ours == GRPOTrainer._get_tool_suffix_ids(trl_self, said)
+    assert tok.decode(ours) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\nx\n"
+                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+class Scripted:
+    """A model-free sampler: a context without a tool result answers `call`, one with it answers `answer`."""
+
+    def __init__(self, tok, call: str, answer: str):
+        self.tok, self.call, self.answer, self.asked = tok, call, answer, []
+
+    def sample(self, prompts, keys, params) -> Rollout:
+        self.asked.append((list(keys), params.max_tokens))
+        eot = end_of_turn_id(self.tok)
+        out = []
+        for p in prompts:
+            text = self.answer if "<tool_response>" in self.tok.decode(p) else self.call
+            out += [(self.tok(text, add_special_tokens=False)["input_ids"] + [eot])[:params.max_tokens]] * \
+                params.group
+        logps = [[-0.5] * len(c) for c in out]
+        return Rollout([list(p) for p in prompts], out, [c[-1] != eot for c in out], params.group, logps)
+
+
+def _episodes(tok, g: GrpoConfig, sampler, fields=None):
+    box = load_toolbox(g, tok)
+    prompts = [RLPrompt([{"role": "user", "content": "6 x 7?"}], fields or {})]
+    ids = [tok.apply_chat_template(prompts[0].prompt, tools=box.schemas, add_generation_prompt=True,
+                                   tokenize=True, return_dict=True)["input_ids"]]
+    params = sampling_params(g, [end_of_turn_id(tok)], 0)
+    return box, prompts, ids, sample_episodes(sampler, tok, box, prompts, ids, [5], params, end_of_turn_id(tok))
+
+
+def test_an_episode_calls_the_tool_reads_its_result_and_trains_only_its_own_turns():
+    tok = qwen_tokenizer()
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+    g = GrpoConfig(group=2, max_completion_length=200, tools=["test_grpo_tools:multiply"])
+    sampler = Scripted(tok, call, "42")
+    _, prompts, ids, ep = _episodes(tok, g, sampler)
+    eot = end_of_turn_id(tok)
+    first = tok(call, add_special_tokens=False)["input_ids"] + [eot]
+    suffix = tool_turn_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}], eot)
+    second = tok("42", add_special_tokens=False)["input_ids"] + [eot]
+    r = ep.rollout
+    assert r.completions == [first + suffix + second] * 2
+    assert r.trainable == [[1] * len(first) + [0] * len(suffix) + [1] * len(second)] * 2
+    assert r.logps[0] == [-0.5] * len(first) + [0.0] * len(suffix) + [-0.5] * len(second)
+    assert r.truncated == [False, False] and r.tools == {"calls": 2.0, "failed": 0.0, "turns": 4.0, "calling": 2.0}
+    assert ep.messages[0][1] == {"role": "tool", "name": "multiply", "content": "42"}
+    assert ep.messages[0][0]["tool_calls"] == [{"type": "function", "function": {"name": "multiply",
+                                                                                  "arguments": {"a": 6, "b": 7}}}]
+    # turn 2 of each sample is its own keyed row: sample j of a prompt never shares a stream with another
+    assert sampler.asked[0][0] == [5] and len(set(sampler.asked[1][0])) == 2
+    # the tool's tokens are context, never targets: the rows' targets are the model's turns alone
+    tokens, _, targets, lengths = micro_batch([ids[0]] * 2, r.completions, 0, torch.device("cpu"), r.trainable)
+    assert tokens[0, len(ids[0]):len(ids[0]) + len(r.completions[0])].tolist() == r.completions[0]
+    trained = targets[0][targets[0] != IGNORE].tolist()
+    assert trained == first + second and lengths[0].sum().item() == len(first) + len(second)
+    metrics = round_metrics(SimpleNamespace(rollout=r, per_func=torch.zeros(2, 1),
+                                            scored=SimpleNamespace(rewards=torch.zeros(2),
+                                                                   std_zero=torch.zeros(2, dtype=torch.bool))), ["x"])
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
+    assert metrics["completions/mean_length"] == len(first) + len(second)  # TRL's: the model's tokens
+
+
+def test_the_budget_and_the_rounds_end_an_episode():
+    tok = qwen_tokenizer()
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+    eot = end_of_turn_id(tok)
+    first = len(tok(call, add_special_tokens=False)["input_ids"]) + 1
+    suffix = len(tool_turn_ids(tok, [{"role": "tool", "name": "multiply", "content": "42"}], eot))
+    for limit, rounds, want_len, calls in [(first + suffix - 1, None, first, 2.0),  # no room for the tool's turn
+                                           (first + suffix + 1, None, first + suffix + 1, 2.0),  # cut: truncated
+                                           (200, 0, first, 0.0)]:  # no round of calls at all
+        g = GrpoConfig(group=2, max_completion_length=limit, tools=["test_grpo_tools:multiply"],
+                       max_tool_calling_iterations=rounds)
+        r = _episodes(tok, g, Scripted(tok, call, "42"))[3].rollout
+        assert [len(c) for c in r.completions] == [want_len] * 2 and r.tools["calls"] == calls
+        assert r.truncated == [want_len == first + suffix + 1] * 2
+
+
+def test_an_environment_per_completion_its_tools_observation_and_reward(tmp_path):
+    tok = qwen_tokenizer()
+    g = GrpoConfig(group=2, max_completion_length=200, environment_factory="test_grpo_tools:Guess",
+                   rewards=[])
+    call = '<tool_call>{"name": "guess", "arguments": {"n": 7}}</tool_call>'
+    box, prompts, ids, ep = _episodes(tok, g, Scripted(tok, call, "7"), {"secret": 7})
+    assert [s["function"]["name"] for s in box.schemas] == ["guess"]
+    assert "(between 1 and 9)" in tok.decode(ep.rollout.prompts[0])  # reset's observation ends the prompt
+    assert "guess" in tok.decode(ids[0])  # the schema is in the prompt
+    assert len({id(e) for e in ep.environments}) == 2 and all(e.right for e in ep.environments)
+    rewards = with_environment_reward(RewardSet([], []), box)
+    scored = score_round(Scripted(tok, call, "7"), tok, prompts, ids, [0], rewards, g,
+                         sampling_params(g, [end_of_turn_id(tok)], 0), box=box)
+    assert rewards.names == ["Guess"] and scored.per_func[:, 0].tolist() == [1.0, 1.0]
+
+
+def test_tool_settings_that_cannot_hold_are_refused(tmp_path, monkeypatch):
+    tok = qwen_tokenizer()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "undocumented.py").write_text("def f(x):\n    return x\n")
+    for g, message in [
+        (GrpoConfig(tools=["undocumented:f"]), "tool 'f' cannot be described to the model"),
+        (GrpoConfig(tools=["undocumented:g"]), "tool 'undocumented:g': module 'undocumented' has no 'g'"),
+        (GrpoConfig(environment_factory="test_grpo_tools:multiply"), "is a function, not a class"),
+    ]:
+        with pytest.raises(ShardlmError, match=message):
+            load_toolbox(g, tok)
