@@ -108,16 +108,17 @@ FLOW_STEPS = {
     "runs/sort": "python benchmarks/grpo_demo.py --data-only",
     "runs/sort_tiny-hf": "python benchmarks/grpo_demo.py --data-only && shardlm train sort_tiny && shardlm export "
                          "runs/sort_tiny runs/sort_tiny-hf",
+    "runs/sort/grpo-hf": "make demo-rl",
+    "runs/sort/distill": "make demo-rl && python benchmarks/distill_demo.py --data-only",
 }
 
 
 def flow_step(name: str | Path) -> str:
-    """` An earlier step of the bundled recipes' flow makes it: CMD.` for a path FLOW_STEPS names, else ""."""
+    """` An earlier step of the bundled recipes' flow makes it: CMD.` for a path FLOW_STEPS names (the longest
+    product that holds it: runs/sort/distill's step is not runs/sort's), else ""."""
     path = Path(name).as_posix().removeprefix("./")
-    for product, command in FLOW_STEPS.items():
-        if path == product or path.startswith(product + "/"):
-            return f" An earlier step of the bundled recipes' flow makes it: {command}."
-    return ""
+    made = [product for product in FLOW_STEPS if path == product or path.startswith(product + "/")]
+    return f" An earlier step of the bundled recipes' flow makes it: {FLOW_STEPS[max(made, key=len)]}." if made else ""
 
 
 def nearest_path(name: str | Path, folder: bool = True) -> str:

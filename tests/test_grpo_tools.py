@@ -235,3 +235,31 @@ def test_tool_settings_that_cannot_hold_are_refused(tmp_path, monkeypatch):
     ]:
         with pytest.raises(ShardlmError, match=message):
             load_toolbox(g, tok)
+
+
+def test_a_run_with_tools_renders_their_schema_dry_runs_the_call_and_trains(tmp_path, cache_dir):
+    """`shardlm train` with grpo.tools on chat prompts under a template that renders tools: the dry run shows the
+    schema in the first prompt and a parsed dummy call with its tool turn; the run trains and records tools/*."""
+    import json
+
+    from helpers import records, shardlm_cli, tiny
+
+    (tmp_path / "calc.py").write_text("def multiply(a: int, b: int) -> int:\n    \"\"\"Multiply.\n\n    Args:\n"
+                                      "        a: one\n        b: two\n    \"\"\"\n    return a * b\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{a} x 3?"}],
+                                           "answer": str(3 * a)}) + "\n" for a in range(16)))
+    args = tiny(prompts, cache_dir, tmp_path / "run", **{
+        "train.objective": "grpo", "grpo.group": 4, "grpo.max_completion_length": 8, "train.batch_size": 8,
+        "train.max_steps": 2, "data.seq_len": 1024, "model.n_positions": 1024, "data.val_fraction": 0.25,
+        "model.chat_template": TEMPLATES / "qwen2_5.jinja", "grpo.tools": f"[{tmp_path / 'calc.py'}:multiply]",
+        "train.eval_every": 2, "train.eval_batches": 1})
+    dry = shardlm_cli(["train", *args, "--dry-run"], cwd=tmp_path)
+    assert '"name": "multiply"' in dry.stdout and "tools (hermes calls, at most unlimited rounds): multiply" in \
+        dry.stdout, dry.stdout[-3000:]
+    assert "parses to multiply({}) and fails; its tool turn (context, not trained):" in dry.stdout
+    assert "<|im_start|>user\n<tool_response>\n{'error': \"multiply: missing a required argument: 'a'\"}\n" \
+           "</tool_response><|im_end|>\n<|im_start|>assistant\n" in dry.stdout
+    shardlm_cli(["train", *args], cwd=tmp_path)
+    last = records(tmp_path / "run")[-1]
+    assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns"} <= set(last)

@@ -445,12 +445,11 @@ def evaluate_prompts(model: Any, tokenizer: Any, cfg: Any, device: torch.device)
     completions) on a loaded model, in one process."""
     from types import SimpleNamespace
 
-    from shardlm.data.prompt_cache import prepare_prompts
     from shardlm.distributed.process_group import Dist, LaunchInfo
     from shardlm.objectives.validate import scoring_model
 
     dist = Dist(LaunchInfo("single"), device)
-    _, val = prepare_prompts(cfg.data, tokenizer, dist)
+    _, val = checks.load_prompts(cfg, tokenizer, dist)  # rendered with the run's tools, as it trained
     lm = scoring_model(model, cfg.train.loss_chunk_size or 0)
     run = SimpleNamespace(cfg=cfg, dist=dist, model=lm, tokenizer=tokenizer, train=val)
     result = validate_prompts(RLStep(run, cfg.train.batch_size, 1, contextlib.nullcontext), val,

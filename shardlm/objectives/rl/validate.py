@@ -14,8 +14,10 @@ import torch
 from shardlm.data import eval_shares
 from shardlm.data.prompts import completion_for_rewards
 from shardlm.objectives.rl.loss import weighted_rewards
-from shardlm.objectives.rl.rewards import exact_match
+from shardlm.objectives.rl.multiturn import sample_episodes
+from shardlm.objectives.rl.rewards import exact_match, text_of
 from shardlm.objectives.rl.rollout import eager, prompt_split
+from shardlm.tokenizer import end_of_turn_id
 
 VAL_KEYS = 1 << 40  # validation prompts' sampling keys start here, apart from the training positions
 
@@ -34,19 +36,17 @@ def validate_prompts(rl: Any, val: Any, eval_batches: int) -> dict[str, Any]:
     ids = [rows.token_ids(int(i)) for i in real]
     keys = [VAL_KEYS + int(i) for i in real]
     names = rl.rewards.metric_names
+    fields = {k: [p.fields.get(k) for p in prompts] for k in rows.field_names}
     with eager(), rl.autocast():
-        sampled = rl.sampler.sample(ids, keys, dataclasses.replace(rl.params, group=1))
-        greedy = rl.sampler.sample(ids, keys, dataclasses.replace(rl.params, group=1, temperature=0.0))
+        sampled, completions = _sample(rl, prompts, ids, keys, dataclasses.replace(rl.params, group=1), fields)
+        greedy, greedy_completions = _sample(rl, prompts, ids, keys,
+                                             dataclasses.replace(rl.params, group=1, temperature=0.0), {})
     if not len(indices):  # this rank has no batch (it sampled nothing, with the others)
         return _val_result(rl, torch.zeros(6 + 2 * len(names), dtype=torch.float64))
-    texts = [rl.tok.decode(c, skip_special_tokens=True) for c in sampled.completions]
-    fields = {k: [p.fields.get(k) for p in prompts] for k in rows.field_names}
-    per_func = rl.rewards.score([p.prompt for p in prompts], [completion_for_rewards(t, p) for t, p in
-                                                                 zip(texts, prompts, strict=True)],
-                                  sampled.completions, fields)
+    per_func = rl.rewards.score([p.prompt for p in prompts], completions, sampled.completions, fields)
     reward = weighted_rewards(per_func, rl.rewards.weight_tensor).double()
     answered = torch.tensor([p.fields.get("answer") is not None for p in prompts], dtype=torch.float64) * weight
-    greedy_texts = [rl.tok.decode(c, skip_special_tokens=True) for c in greedy.completions]
+    greedy_texts = [text_of(c) for c in greedy_completions]  # with tools: the last turn's answer
     matched = torch.tensor(exact_match(greedy_texts, [p.fields.get("answer") or "" for p in prompts]),
                            dtype=torch.float64) * answered
     ok = ~torch.isnan(reward)
@@ -57,6 +57,19 @@ def validate_prompts(rl: Any, val: Any, eval_batches: int) -> dict[str, Any]:
                         *[torch.nan_to_num(c).mul(weight).sum() for c in columns],
                         *[((~torch.isnan(c)) * weight).sum() for c in columns]])
     return _val_result(rl, sums)
+
+
+def _sample(rl: Any, prompts: list, ids: list, keys: list, params: Any, fields: dict) -> tuple[Any, list]:
+    """One completion of each prompt and what the rewards get of it (with tools, a whole episode: its turns as
+    messages, and `fields` gains each one's environment)."""
+    if rl.box is None:
+        out = rl.sampler.sample(ids, keys, params)
+        texts = [rl.tok.decode(c, skip_special_tokens=True) for c in out.completions]
+        return out, [completion_for_rewards(t, p) for t, p in zip(texts, prompts, strict=True)]
+    episodes = sample_episodes(rl.sampler, rl.tok, rl.box, prompts, ids, keys, params, end_of_turn_id(rl.tok))
+    if rl.box.factory is not None:
+        fields["environments"] = episodes.environments
+    return episodes.rollout, episodes.messages
 
 
 def _val_result(rl: Any, sums: torch.Tensor) -> dict[str, Any]:
