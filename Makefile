@@ -1,6 +1,9 @@
 # make demo: fresh venv, install, train the bundled default (byte-level GPT on Tiny Shakespeare, ~5 min on 2 CPU cores)
 # make demo-rl: what online RL is for, end to end (benchmarks/grpo_demo.py): pretrain a tiny base on sorted strings,
 #   GRPO on longer ones, held-out greedy accuracy before/after, the base's pass@k and a control (~6 min on 2 cores)
+# make demo-distill: what distillation is for (benchmarks/distill_demo.py): a 2-layer student with 200 labels and the
+#   RL demo's teacher answering 4,000 unlabelled prompts, against the labels alone, three seeds (runs make demo-rl
+#   first when runs/sort/grpo-hf is missing)
 # make test: fresh venv (.venv-test: the test extras stay out of the demo's .venv), install, make lint (ruff,
 #   lint-imports, mypy, mkdocs build --strict), then the test suite on 2 pytest workers (TEST_WORKERS=0: one)
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
@@ -37,7 +40,7 @@ LOWEST_TORCH_TESTS ?= tests/test_optimizers.py tests/test_step.py \
   tests/test_checkpoint.py::test_kill_after_save_resumes_bit_exact tests/test_export.py::test_export_generate_eval_round_trip
 LOWEST_TORCH_SKIP ?= wsd_extended or schedules_equal
 
-.PHONY: install install-test demo demo-rl test lint clean gpu-check xla-venv test-xla test-lowest-torch vllm-venv test-vllm
+.PHONY: install install-test demo demo-rl demo-distill test lint clean gpu-check xla-venv test-xla test-lowest-torch vllm-venv test-vllm
 
 # The venv's own .gitignore (`*`, as Python 3.13's venv writes) keeps it out of git, whatever its name.
 $(PY):
@@ -61,6 +64,10 @@ demo: install
 
 demo-rl: install
 	$(PY) benchmarks/grpo_demo.py
+
+demo-distill: install
+	test -d runs/sort/grpo-hf || $(PY) benchmarks/grpo_demo.py
+	$(PY) benchmarks/distill_demo.py
 
 # What CI checks before the tests: style, the package's layers and no import circles (import-linter, contracts
 # in pyproject.toml), types over the whole package, and the docs site (a broken link or a page missing from nav

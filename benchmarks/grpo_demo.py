@@ -92,8 +92,10 @@ def answers(export: Path, rows: list[dict], samples: int = 0) -> list[list[str]]
         for start in range(0, len(rows), 100):  # the prompts are one length: batches need no padding
             ids = torch.tensor([prompt_ids(tok, r["prompt"]) for r in rows[start:start + 100]])
             n = max(samples, 1)
-            gen = model.generate(ids.repeat_interleave(n, 0), max_new_tokens=ASKED + 2, do_sample=samples > 0,
-                                 temperature=1.0 if samples else None, top_k=0 if samples else None,
+            ids = ids.repeat_interleave(n, 0)
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=ASKED + 2,
+                                 do_sample=samples > 0, temperature=1.0 if samples else None,
+                                 top_k=0 if samples else None,
                                  eos_token_id=stops, pad_token_id=tok.eos_token_id)
             texts = [t.strip() for t in tok.batch_decode(gen[:, ids.shape[1]:], skip_special_tokens=True)]
             out += [texts[i:i + n] for i in range(0, len(texts), n)]

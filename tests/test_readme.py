@@ -137,9 +137,13 @@ def test_bundled_config_validates(config, tmp_path, capsys, monkeypatch):
         (tmp_path / "corpus.csv").write_text('text\n' + '"hello world"\n' * 20000)  # a batch of 1024-token blocks
         extra = [f"data.train={tmp_path / 'corpus.csv'}"]
     train = str(yaml.safe_load(config.read_text()).get("data", {}).get("train"))
-    if train.startswith("runs/sort/"):  # sort_tiny's and grpo_tiny's: the task's data, as the flow writes it
+    if train.startswith("runs/sort/"):  # sort, grpo and distill_tiny's: the task's data as the flow writes it
         benchmark_module("grpo_demo", monkeypatch).write_task(Path("runs/sort"), 0, documents=3000, prompts=64,
                                                               heldout=16)
+        if train.startswith("runs/sort/distill/"):  # distill_tiny's: the labels and the answers, here the right ones
+            rows = [json.loads(line) for line in Path("runs/sort/prompts.jsonl").read_text().splitlines()]
+            benchmark_module("distill_demo", monkeypatch).write_data(Path("runs/sort"), [0], 200,
+                                                                     [r["answer"] for r in rows])
     elif train.startswith("runs/"):
         extra = ["data.train=chat_pairs", "data.val=chat_pairs_val"]  # made by the flow's earlier steps (dpo_tiny)
     if str(yaml.safe_load(config.read_text()).get("model", {}).get("name")).startswith("runs/"):
@@ -163,9 +167,11 @@ def test_a_recipe_whose_flow_step_is_missing_names_the_step(tmp_path, monkeypatc
         (["grpo_tiny"], "model.name 'runs/sort_tiny-hf' is a path that does not exist. An earlier step of the bundled "
          "recipes' flow makes it: python benchmarks/grpo_demo.py --data-only && shardlm train sort_tiny && shardlm "
          "export runs/sort_tiny runs/sort_tiny-hf."),
-        (["distill_tiny"], "distill.teacher 'runs/chat_tiny-hf' is a path that does not exist. An earlier step of the "
-                           "bundled recipes' flow makes it: shardlm train chat_tiny && shardlm export runs/chat_tiny "
-                           "runs/chat_tiny-hf."),
+        (["distill_tiny"], "distill.teacher 'runs/sort/grpo-hf' is a path that does not exist. An earlier step of "
+                           "the bundled recipes' flow makes it: make demo-rl."),
+        (["distill_tiny", "train.objective=sft"], "data path 'runs/sort/distill/taught-0.jsonl' does not exist. An "
+         "earlier step of the bundled recipes' flow makes it: make demo-rl && python benchmarks/distill_demo.py "
+         "--data-only."),  # the longest product's step: runs/sort/distill's, not runs/sort's
     ]:
         with pytest.raises(ShardlmError, match=re.escape(message)):
             cmd_train(parse_args(["train", *argv, "--dry-run"]))
