@@ -226,3 +226,60 @@ def refusal(argv: list[str]) -> str:
     except ShardlmError as e:
         return str(e)
     return ""
+
+
+# A chat template that renders Hermes tool calls in few tokens (its tool block lists the names only).
+TOOLS_TEMPLATE = """{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }} {% endfor %}</tools>
+{% endif %}{%- for m in messages %}{%- if m.role == 'assistant' %}<|im_start|>assistant
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|im_end|>
+{% elif m.role == 'tool' %}<|im_start|>user
+<tool_response>{{ m.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+
+
+def tools_tokenizer():
+    from shardlm.tokenizer import byte_tokenizer, set_chat_template
+
+    tok = byte_tokenizer()
+    set_chat_template(tok, "chatml")  # its two special tokens
+    tok.chat_template = TOOLS_TEMPLATE
+    return tok
+
+
+def calling_model(folder: Path, prompt_len: int, result: str = "42", answer: str = "42", width: int = 256,
+                  sure: float = 10.0) -> Path:
+    """A real GPT-2 whose weights are set by hand so that it writes CALL as its first turn and `answer` after the
+    tool turn of `result`, whatever it is asked, for prompts of `prompt_len` tokens (its next token is a function of
+    the position alone: one-hot position embeddings read by an untied head): a model that calls tools, in a test.
+    `sure` scales the script's logits: 10 is certain, 0.68 misses about one token in 200."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from shardlm.objectives.rl.tools import tool_turn_ids
+    from shardlm.tokenizer import end_of_turn_id
+
+    tok = tools_tokenizer()
+    eot = end_of_turn_id(tok)
+    first = tok(CALL, add_special_tokens=False)["input_ids"] + [eot]
+    turn = tool_turn_ids(tok, [{"role": "tool", "name": "multiply", "content": result}], eot)
+    second = tok(answer, add_special_tokens=False)["input_ids"] + [eot]
+    script = dict(enumerate(first, prompt_len)) | dict(enumerate(second, prompt_len + len(first) + len(turn)))
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=width, n_embd=width, n_head=2, n_layer=1,
+                     tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+    model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in (model.transformer.ln_f, *(n for b in model.transformer.h for n in (b.ln_1, b.ln_2))):
+            norm.weight.fill_(1.0)
+        model.transformer.wpe.weight.copy_(torch.eye(width))
+        for position, token in script.items():
+            model.lm_head.weight[token, position - 1] = sure  # the position before predicts it
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

@@ -270,3 +270,38 @@ def test_a_run_with_tools_renders_their_schema_dry_runs_the_call_and_trains(tmp_
     shardlm_cli(["train", *args], cwd=tmp_path)
     last = records(tmp_path / "run")[-1]
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns"} <= set(last)
+
+
+def test_episodes_that_call_tools_train_on_two_ranks_as_in_one_process(tmp_path, cache_dir):
+    """A model that calls a tool (weights set by hand: it writes the call, then an answer after the tool's turn,
+    missing a token now and then): its episodes train the same on 2 ranks as in one process, the calls run and
+    the records count them."""
+    import json
+
+    from helpers import calling_model, losses, records, shardlm_cli, tiny, tools_tokenizer
+
+    (tmp_path / "calc.py").write_text("def multiply(a: int, b: int) -> int:\n    \"\"\"Multiply.\n\n    Args:\n"
+                                      "        a: one\n        b: two\n    \"\"\"\n    return a * b\n")
+    prompts = [[{"role": "user", "content": f"{a} x 7?"}] for a in range(1, 10)] * 2
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "42"}) + "\n"
+                                                    for p in prompts))
+    g = GrpoConfig(tools=[f"{tmp_path / 'calc.py'}:multiply"])
+    tok = tools_tokenizer()
+    length = len(tok.apply_chat_template(prompts[0], tools=load_toolbox(g, tok).schemas, add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"])
+    model = calling_model(tmp_path / "calls", length, sure=0.68)
+
+    def run(out: str, nproc: int) -> Path:
+        args = tiny(tmp_path / "prompts.jsonl", cache_dir, tmp_path / out, **{
+            "model.name": model, "train.objective": "grpo", "grpo.group": 4, "grpo.max_completion_length": 140,
+            "train.batch_size": 4, "train.grad_accum": 2 if nproc < 2 else 1, "train.max_steps": 2,
+            "data.seq_len": 256, "data.val_fraction": 0.12,
+            "grpo.tools": f"[{tmp_path / 'calc.py'}:multiply]", "train.lr": 1e-2, "train.warmup_steps": 0})
+        shardlm_cli(["train", *args], nproc=nproc, cwd=tmp_path)
+        return tmp_path / out
+
+    one, two = run("one", 0), run("two", 2)
+    assert losses(two) == pytest.approx(losses(one), abs=1e-6)
+    first = records(one)[0]
+    assert first["tools/call_frequency"] == records(two)[0]["tools/call_frequency"] > 0.5
+    assert first["tools/turns"] > 1.2 and first["completions/mean_length"] < 100  # the tool turns are not counted
