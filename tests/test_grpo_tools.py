@@ -238,8 +238,8 @@ def test_tool_settings_that_cannot_hold_are_refused(tmp_path, monkeypatch):
     from shardlm.config.grpo import check_tools
     from shardlm.data.prompts import prompt_token_ids
 
-    with pytest.raises(ShardlmError, match="grpo.use_vllm cannot run tool-calling episodes yet"):
-        check_tools(GrpoConfig(tools=["m:f"], use_vllm=True))
+    with pytest.raises(ShardlmError, match="grpo.dynamic_sampling cannot run tool-calling episodes yet"):
+        check_tools(GrpoConfig(tools=["m:f"], dynamic_sampling=True))
     with pytest.raises(ShardlmError, match="a text prompt cannot offer tools"):
         prompt_token_ids(tok, RLPrompt("6 x 7?", {}), tools=[{"type": "function"}])
 

@@ -236,3 +236,43 @@ def test_asynchronous_rounds_lag_one_step_and_two_ranks_equal_one(server, rl_dat
     assert [r["reward"] for r in two] == [r["reward"] for r in one]
     # the old log-probabilities are the engine's, whose rounding moves with the batch it ran (~1e-6): looser
     assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-3)
+
+
+def test_tool_episodes_by_the_engine_are_the_built_in_samplers(tmp_path):
+    """grpo.tools with vLLM: a model that calls a tool (weights set by hand) runs the same episodes, call, tool turn
+    and answer, whether the engine or the built-in sampler writes its turns (greedy: the same tokens)."""
+    from dataclasses import replace
+
+    from helpers import calling_model, tools_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from shardlm.config.schema import GrpoConfig
+    from shardlm.data.prompts import RLPrompt
+    from shardlm.models.causal_lm import CausalLM
+    from shardlm.objectives.rl.engine import VLLMSampler
+    from shardlm.objectives.rl.multiturn import sample_episodes
+    from shardlm.objectives.rl.rollout import sampling_params
+    from shardlm.objectives.rl.sampling import TransformersSampler
+    from shardlm.objectives.rl.tools import load_toolbox
+    from shardlm.tokenizer import end_of_turn_id
+
+    (tmp_path / "calc.py").write_text("def multiply(a: int, b: int) -> int:\n    \"\"\"Multiply.\n\n    Args:\n"
+                                      "        a: one\n        b: two\n    \"\"\"\n    return a * b\n")
+    tok = tools_tokenizer()
+    g = GrpoConfig(group=2, max_completion_length=140, tools=[f"{tmp_path / 'calc.py'}:multiply"])
+    box = load_toolbox(g, tok)
+    prompts = [RLPrompt([{"role": "user", "content": f"{a} x 7?"}], {}) for a in (6, 3)]
+    ids = [tok.apply_chat_template(p.prompt, tools=box.schemas, add_generation_prompt=True, tokenize=True,
+                                   return_dict=True)["input_ids"] for p in prompts]
+    hf = AutoModelForCausalLM.from_pretrained(calling_model(tmp_path / "calls", len(ids[0])))
+    params = replace(sampling_params(g, [end_of_turn_id(tok), tok.eos_token_id], 0), temperature=0.0)
+    engine = VLLMSampler(CausalLM(hf), g, 256, "fp32", 0, torch.device("cpu"), rows=8)
+    engine.sync()
+    by_engine = sample_episodes(engine, tok, box, prompts, ids, [0, 1], params, end_of_turn_id(tok)).rollout
+    engine.close()
+    built_in = sample_episodes(TransformersSampler(hf, tok.eos_token_id), tok, box, prompts, ids, [0, 1], params,
+                               end_of_turn_id(tok)).rollout
+    assert by_engine.completions == built_in.completions and by_engine.trainable == built_in.trainable
+    assert tok.decode(by_engine.completions[0]).endswith("<tool_response>42</tool_response><|im_end|>\n"
+                                                         "<|im_start|>assistant\n42<|im_end|>")
+    assert by_engine.tools == {"calls": 4.0, "failed": 0.0, "turns": 8.0, "calling": 4.0}

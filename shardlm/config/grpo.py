@@ -156,15 +156,14 @@ def steps_per_round(g: GrpoConfig, batch: int, accum: int, world: int) -> int:
 
 
 def check_tools(g: GrpoConfig) -> None:
-    """Tool-calling episodes: the built-in sampler runs them, synchronously, one round at a time."""
+    """Tool-calling episodes run synchronously, one round at a time (either sampler: the built-in or vLLM)."""
     if g.max_tool_calling_iterations is not None:
         _range("grpo.max_tool_calling_iterations", g.max_tool_calling_iterations, g.max_tool_calling_iterations >= 0,
                ">= 0 (null = no limit)")
     _range("grpo.tool_timeout", g.tool_timeout, g.tool_timeout >= 0, ">= 0 (0 = no limit)")
     if not (g.tools or g.environment_factory):
         return
-    for on, key in ((g.use_vllm, "grpo.use_vllm"), (g.max_staleness, "grpo.max_staleness"),
-                    (g.dynamic_sampling, "grpo.dynamic_sampling")):
+    for on, key in ((g.max_staleness, "grpo.max_staleness"), (g.dynamic_sampling, "grpo.dynamic_sampling")):
         if on:
             raise ShardlmError(f"{key} cannot run tool-calling episodes yet (grpo.tools / "
-                               f"grpo.environment_factory): the built-in sampler runs them. Unset {key}.")
+                               f"grpo.environment_factory): they run a round's turns as they come. Unset {key}.")
