@@ -243,9 +243,9 @@ def test_tool_episodes_by_the_engine_are_the_built_in_samplers(tmp_path):
     and answer, whether the engine or the built-in sampler writes its turns (greedy: the same tokens)."""
     from dataclasses import replace
 
-    from helpers import calling_model, tools_tokenizer
     from transformers import AutoModelForCausalLM
 
+    from helpers import calling_model, tools_tokenizer
     from shardlm.config.schema import GrpoConfig
     from shardlm.data.prompts import RLPrompt
     from shardlm.models.causal_lm import CausalLM
