@@ -17,7 +17,7 @@ from shardlm.data.blocks import IGNORE
 from shardlm.data.prompts import RLPrompt
 from shardlm.objectives.rl.logps import micro_batch
 from shardlm.objectives.rl.multiturn import sample_episodes
-from shardlm.objectives.rl.rewards import RewardSet
+from shardlm.objectives.rl.rewards import Reward, RewardSet
 from shardlm.objectives.rl.rollout import round_metrics, sampling_params, score_round
 from shardlm.objectives.rl.sampling import Rollout
 from shardlm.objectives.rl.tools import (
@@ -238,8 +238,10 @@ def test_tool_settings_that_cannot_hold_are_refused(tmp_path, monkeypatch):
     from shardlm.config.grpo import check_tools
     from shardlm.data.prompts import prompt_token_ids
 
-    with pytest.raises(ShardlmError, match="grpo.dynamic_sampling cannot run tool-calling episodes yet"):
+    with pytest.raises(ShardlmError, match="grpo.dynamic_sampling cannot run tool-calling episodes or a rollout_func yet"):
         check_tools(GrpoConfig(tools=["m:f"], dynamic_sampling=True))
+    with pytest.raises(ShardlmError, match="grpo.rollout_func makes a round's completions itself, so grpo.tools"):
+        check_tools(GrpoConfig(tools=["m:f"], rollout_func="m:g"))
     with pytest.raises(ShardlmError, match="a text prompt cannot offer tools"):
         prompt_token_ids(tok, RLPrompt("6 x 7?", {}), tools=[{"type": "function"}])
 
@@ -305,3 +307,46 @@ def test_episodes_that_call_tools_train_on_two_ranks_as_in_one_process(tmp_path,
     first = records(one)[0]
     assert first["tools/call_frequency"] == records(two)[0]["tools/call_frequency"] > 0.5
     assert first["tools/turns"] > 1.2 and first["completions/mean_length"] < 100  # the tool turns are not counted
+
+
+def env_turn(prompts, prompt_ids, generate, tokenizer, **_):
+    """A rollout_func: the model's turn, an environment's text (read, not trained), the model's second turn."""
+    first = generate(prompt_ids)
+    said = [tokenizer("|env|", add_special_tokens=False)["input_ids"] for _ in prompts]
+    second = generate([p + c + s for p, (c, _), s in zip(prompt_ids, first, said, strict=True)])
+    return {"completion_ids": [c + s + d for (c, _), s, (d, _) in zip(first, said, second, strict=True)],
+            "env_mask": [[1] * len(c) + [0] * len(s) + [1] * len(d) for (c, _), s, (d, _) in
+                         zip(first, said, second, strict=True)],
+            "logprobs": [lc + [0.0] * len(s) + ld for (_, lc), s, (_, ld) in zip(first, said, second, strict=True)],
+            "turns": [2] * len(prompts)}
+
+
+def test_a_rollout_func_makes_the_round_and_bad_returns_are_one_line():
+    """grpo.rollout_func (TRL's): the function's completions and env_mask are the round's, its extra keys reach the
+    rewards, its generate() is keyed per completion and call; a malformed return is refused in one line."""
+    tok = qwen_tokenizer()
+    g = GrpoConfig(group=2, max_completion_length=200, rollout_func="test_grpo_tools:env_turn", rewards=[])
+    box = load_toolbox(g, tok)
+    sampler = Scripted(tok, "hi", "42")
+    prompts = [RLPrompt("6 x 7?", {})]
+    seen = []
+    rewards = RewardSet([Reward("turns", lambda completions, turns, **_: seen.append(turns) or [1.0, 0.0], ())],
+                        [1.0])
+    scored = score_round(sampler, tok, prompts, [list(b"6 x 7?")], [3], rewards, g,
+                         sampling_params(g, [end_of_turn_id(tok)], 0), box=box)
+    r = scored.rollout
+    eot = end_of_turn_id(tok)
+    hi, env = tok("hi", add_special_tokens=False)["input_ids"] + [eot], list(b"|env|")
+    assert r.completions[0] == hi + env + hi and r.trainable[0] == [1] * len(hi) + [0] * len(env) + [1] * len(hi)
+    assert seen == [[2, 2]] and len({k for keys, _ in sampler.asked for k in keys}) == 4  # 2 calls x 2 samples
+    for fn, message in [(lambda **_: [[1]], "returned list: it must return a dict with completion_ids"),
+                        (lambda **_: {"completion_ids": [[1]]}, "returned completion_ids as 1 items for the "
+                                                                  "round's 2 completions"),
+                        (lambda **_: {"completion_ids": [[1], [2]], "env_mask": [[1], [1, 0]]},
+                         "returned env_mask for a completion in another length than the completion's"),
+                        (lambda **_: {"completion_ids": [[1], [2]], "prompt_ids": [[1], [2]]},
+                         "returned different prompt_ids for the completions of one prompt")]:
+        box.rollout = fn
+        with pytest.raises(ShardlmError, match=message):
+            score_round(sampler, tok, prompts, [list(b"6 x 7?")], [3], rewards, g,
+                        sampling_params(g, [eot], 0), box=box)

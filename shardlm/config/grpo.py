@@ -161,9 +161,14 @@ def check_tools(g: GrpoConfig) -> None:
         _range("grpo.max_tool_calling_iterations", g.max_tool_calling_iterations, g.max_tool_calling_iterations >= 0,
                ">= 0 (null = no limit)")
     _range("grpo.tool_timeout", g.tool_timeout, g.tool_timeout >= 0, ">= 0 (0 = no limit)")
-    if not (g.tools or g.environment_factory):
+    if g.rollout_func and (g.tools or g.environment_factory):
+        raise ShardlmError("grpo.rollout_func makes a round's completions itself, so grpo.tools and "
+                           "grpo.environment_factory would not run: call the tools inside the function, or drop "
+                           "grpo.rollout_func.")
+    if not (g.tools or g.environment_factory or g.rollout_func):
         return
     for on, key in ((g.max_staleness, "grpo.max_staleness"), (g.dynamic_sampling, "grpo.dynamic_sampling")):
         if on:
-            raise ShardlmError(f"{key} cannot run tool-calling episodes yet (grpo.tools / "
-                               f"grpo.environment_factory): they run a round's turns as they come. Unset {key}.")
+            raise ShardlmError(f"{key} cannot run tool-calling episodes or a rollout_func yet (grpo.tools, "
+                               f"grpo.environment_factory, grpo.rollout_func): they run a round's turns as they "
+                               f"come. Unset {key}.")

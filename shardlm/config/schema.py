@@ -178,6 +178,7 @@ class GrpoConfig:
     max_tool_calling_iterations: int | None = None  # tool rounds an episode may take at most; null = no limit (TRL)
     environment_factory: str | None = None  # module:Class: an environment per completion; its methods are tools
     tool_timeout: float = 0.0  # seconds a tool call may take before its message is a timeout error; 0 = no limit
+    rollout_func: str | None = None  # module:function making a round's completions itself (TRL's; rl.md)
 
 
 @dataclass

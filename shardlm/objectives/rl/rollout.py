@@ -21,6 +21,7 @@ import torch.distributed as tdist
 from shardlm import ShardlmError
 from shardlm.config import GrpoConfig
 from shardlm.data.prompts import PromptRows, RLPrompt, completion_for_rewards
+from shardlm.objectives.rl.custom import custom_rollout
 from shardlm.objectives.rl.loss import EPS, Advantages, group_advantages, rloo_advantages
 from shardlm.objectives.rl.multiturn import sample_episodes
 from shardlm.objectives.rl.rewards import RewardSet
@@ -79,21 +80,26 @@ def sample_and_reward(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids
                       keys: Sequence[int], rewards: RewardSet, g: GrpoConfig, params: SamplingParams,
                       all_reduce: AllReduce | None = None, box: Toolbox | None = None
                       ) -> tuple[Rollout, list[str], torch.Tensor]:
-    """The completions of a round (tool-calling episodes with `box`), decoded, and each reward function's value of
-    each (NaN: it returned None)."""
+    """The completions of a round (with `box`: tool-calling episodes, or grpo.rollout_func's round), decoded, and
+    each reward function's value of each (NaN: it returned None)."""
     group = g.group
     owners = [prompts[i // group] for i in range(len(prompts) * group)]
     fields = {k: [p.fields.get(k) for p in owners] for k in dict.fromkeys(k for p in prompts for k in p.fields)}
+    messages: list | None = None
     if box is None:
         rollout = sampler.sample(prompt_ids, keys, params)
-        texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
-        completions: list = [completion_for_rewards(t, p) for t, p in zip(texts, owners, strict=True)]
+    elif box.rollout is not None:
+        episodes, extra = custom_rollout(box.rollout, box.rollout_name, sampler, tok, prompts, prompt_ids, keys,
+                                         params, fields)
+        rollout = episodes.rollout
+        fields |= extra
     else:
         episodes = sample_episodes(sampler, tok, box, prompts, prompt_ids, keys, params, end_of_turn_id(tok))
-        rollout, completions = episodes.rollout, episodes.messages  # TRL's: every assistant and tool turn
-        texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
+        rollout, messages = episodes.rollout, episodes.messages  # TRL's: every assistant and tool turn
         if box.factory is not None:
             fields["environments"] = episodes.environments
+    texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
+    completions: list = messages or [completion_for_rewards(t, p) for t, p in zip(texts, owners, strict=True)]
     per_func = rewards.score([p.prompt for p in owners], completions, rollout.completions, fields)
     check_applied(per_func, rewards, all_reduce)
     return rollout, texts, per_func

@@ -56,6 +56,8 @@ class Toolbox:
     max_iterations: int
     timeout: float
     env_methods: list[str] = field(default_factory=list)
+    rollout: Callable | None = None  # grpo.rollout_func: the round is the function's (no tools)
+    rollout_name: str = ""
 
     def episode(self, fields: dict) -> tuple[dict[str, Callable], Any, str | None]:
         """One completion's tools, its environment (None without a factory) and reset's observation."""
@@ -97,6 +99,9 @@ def env_tools(factory: type) -> list[str]:
 
 def load_toolbox(g: GrpoConfig, tok) -> Toolbox | None:
     """The run's tools (None when it has none); the template must render tool calls in a format read here."""
+    if g.rollout_func:
+        return Toolbox({}, None, [], "", 0, 0.0, rollout=import_named(g.rollout_func, "rollout function",
+                                                                    "grpo.rollout_func"), rollout_name=g.rollout_func)
     if not g.tools and not g.environment_factory:
         return None
     functions = {}
@@ -239,8 +244,8 @@ def dummy_call(name: str, fmt: str) -> str:
 def probe_tools(box: Toolbox | None, tok, fields: dict) -> list[str]:
     """The dry run's lines: the tools the schema offers, and a dummy call of the first parsed, run and written
     back as its tool turn (an environment made and reset from the first prompt's fields first)."""
-    if box is None:
-        return []
+    if box is None or box.rollout is not None:
+        return [f"completions made by grpo.rollout_func '{box.rollout_name}'"] if box else []
     from shardlm.tokenizer import end_of_turn_id
 
     tools, _, observation = box.episode(fields)
