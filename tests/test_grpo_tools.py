@@ -238,7 +238,7 @@ def test_tool_settings_that_cannot_hold_are_refused(tmp_path, monkeypatch):
     from shardlm.config.grpo import check_tools
     from shardlm.data.prompts import prompt_token_ids
 
-    with pytest.raises(ShardlmError, match="grpo.dynamic_sampling cannot run tool-calling episodes or a rollout_func yet"):
+    with pytest.raises(ShardlmError, match="grpo.dynamic_sampling cannot run tool-calling episodes or a rollout"):
         check_tools(GrpoConfig(tools=["m:f"], dynamic_sampling=True))
     with pytest.raises(ShardlmError, match="grpo.rollout_func makes a round's completions itself, so grpo.tools"):
         check_tools(GrpoConfig(tools=["m:f"], rollout_func="m:g"))
