@@ -350,3 +350,47 @@ def test_a_rollout_func_makes_the_round_and_bad_returns_are_one_line():
         with pytest.raises(ShardlmError, match=message):
             score_round(sampler, tok, prompts, [list(b"6 x 7?")], [3], rewards, g,
                         sampling_params(g, [eot], 0), box=box)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_the_loss_on_an_episode_is_trls_with_its_tool_mask(loss_type):
+    """On the same multi-turn completions, shardlm's trained tokens (micro_batch's `lengths`, from
+    Rollout.trainable) and loss equal TRL 1.16's `_compute_loss` given `tool_mask` (its completion_mask x tool_mask)."""
+    from collections import defaultdict
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    from shardlm.objectives.rl.loss import step_loss, token_loss
+
+    tok = qwen_tokenizer()
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+    g = GrpoConfig(group=2, max_completion_length=200, tools=["test_grpo_tools:multiply"])
+    r = _episodes(tok, g, Scripted(tok, call, "42"))[3].rollout
+    r.completions[1] = r.completions[1][:30]  # a shorter one: padding and the tool mask side by side
+    r.trainable[1] = r.trainable[1][:30]
+    padded = r.padded(0)
+    _, _, _, lengths = micro_batch([r.prompt_of(i) for i in range(2)], r.completions, 0, torch.device("cpu"),
+                                   r.trainable)
+    mask = lengths.float()
+    assert torch.equal(mask, (padded["completion_mask"] * padded["tool_mask"]).float())  # TRL's loss_mask
+    gen = torch.Generator().manual_seed(0)
+    logps = (-torch.rand(mask.shape, generator=gen) * 3).requires_grad_()
+    old = logps.detach() + (torch.rand(mask.shape, generator=gen) - 0.5) * 0.8
+    advantages = torch.tensor([1.1, -0.6])
+    me = SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros_like(logps), None),
+        top_entropy_quantile=1.0, off_policy_mask_threshold=None, aux_loss_enabled=False, use_vllm=False,
+        _entropy_bonus_enabled=False, model=SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        accelerator=SimpleNamespace(num_processes=1, gather=lambda x: x, reduce=lambda x, reduction: x),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        epsilon_low=0.2, epsilon_high=0.28, beta=0.0, loss_type=loss_type, importance_sampling_level="token",
+        max_completion_length=200)
+    inputs = {**padded, "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": None,
+              "num_items_in_batch": mask.sum()}
+    theirs = GRPOTrainer._compute_loss(me, None, inputs)
+    parts = token_loss(logps, old, advantages, mask, 0.2, 0.28, 0.0, None, None, "token")
+    mine = step_loss(parts.per_token, mask, loss_type, completions=2, tokens=mask.sum().item(),
+                     max_completion_length=200)
+    assert mine.item() == pytest.approx(theirs.item(), rel=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(mine, logps)[0], torch.autograd.grad(theirs, logps)[0])
