@@ -274,39 +274,68 @@ def test_a_run_with_tools_renders_their_schema_dry_runs_the_call_and_trains(tmp_
     assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns"} <= set(last)
 
 
-def test_episodes_that_call_tools_train_on_two_ranks_as_in_one_process(tmp_path, cache_dir):
+CALC = '''class Calc:
+    """An environment per completion: its multiply is the tool; it rewards one call."""
+
+    def reset(self, **fields):
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiply.
+
+        Args:
+            a: one
+            b: two
+        """
+        self.calls += 1
+        return a * b
+
+    def get_reward(self) -> float:
+        return float(self.calls == 1)
+'''
+
+
+def test_episodes_that_call_tools_train_on_two_ranks_as_in_one_process_and_resume_exactly(tmp_path, cache_dir):
     """A model that calls a tool (weights set by hand: it writes the call, then an answer after the tool's turn,
-    missing a token now and then): its episodes train the same on 2 ranks as in one process, the calls run and
-    the records count them."""
+    missing a token now and then), the tool an environment's method: its episodes train the same on 2 ranks as in
+    one process, and a run killed -9 after its step-2 checkpoint resumes to the same records (the environments are
+    made again from the prompts' fields); the calls run, the environment's reward joins, the records count them."""
     import json
 
-    from helpers import calling_model, losses, records, shardlm_cli, tiny, tools_tokenizer
+    from faults import fault
 
-    (tmp_path / "calc.py").write_text("def multiply(a: int, b: int) -> int:\n    \"\"\"Multiply.\n\n    Args:\n"
-                                      "        a: one\n        b: two\n    \"\"\"\n    return a * b\n")
+    from helpers import by_step, calling_model, losses, records, shardlm_cli, tiny, tools_tokenizer
+
+    (tmp_path / "calc.py").write_text(CALC)
     prompts = [[{"role": "user", "content": f"{a} x 7?"}] for a in range(1, 10)] * 2
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "42"}) + "\n"
                                                     for p in prompts))
-    g = GrpoConfig(tools=[f"{tmp_path / 'calc.py'}:multiply"])
+    g = GrpoConfig(environment_factory=f"{tmp_path / 'calc.py'}:Calc")
     tok = tools_tokenizer()
     length = len(tok.apply_chat_template(prompts[0], tools=load_toolbox(g, tok).schemas, add_generation_prompt=True,
                                          tokenize=True, return_dict=True)["input_ids"])
     model = calling_model(tmp_path / "calls", length, sure=0.68)
 
-    def run(out: str, nproc: int) -> Path:
-        args = tiny(tmp_path / "prompts.jsonl", cache_dir, tmp_path / out, **{
+    def args(out: str, nproc: int) -> list[str]:
+        return ["train", *tiny(tmp_path / "prompts.jsonl", cache_dir, tmp_path / out, **{
             "model.name": model, "train.objective": "grpo", "grpo.group": 4, "grpo.max_completion_length": 140,
-            "train.batch_size": 4, "train.grad_accum": 2 if nproc < 2 else 1, "train.max_steps": 2,
-            "data.seq_len": 256, "data.val_fraction": 0.12,
-            "grpo.tools": f"[{tmp_path / 'calc.py'}:multiply]", "train.lr": 1e-2, "train.warmup_steps": 0})
-        shardlm_cli(["train", *args], nproc=nproc, cwd=tmp_path)
-        return tmp_path / out
+            "train.batch_size": 4, "train.grad_accum": 2 if nproc < 2 else 1, "train.max_steps": 4,
+            "data.seq_len": 256, "data.val_fraction": 0.12, "grpo.environment_factory": f"{tmp_path / 'calc.py'}:Calc",
+            "train.lr": 1e-2, "train.warmup_steps": 0, "checkpoint.every": 2})]
 
-    one, two = run("one", 0), run("two", 2)
+    shardlm_cli(args("one", 0), cwd=tmp_path)
+    shardlm_cli(args("two", 2), nproc=2, cwd=tmp_path)
+    one, two = tmp_path / "one", tmp_path / "two"
     assert losses(two) == pytest.approx(losses(one), abs=1e-6)
     first = records(one)[0]
     assert first["tools/call_frequency"] == records(two)[0]["tools/call_frequency"] > 0.5
     assert first["tools/turns"] > 1.2 and first["completions/mean_length"] < 100  # the tool turns are not counted
+    assert 0 < first["rewards/Calc/mean"] <= 1
+    killed = args("killed", 0)
+    assert shardlm_cli([*killed, fault("KillAfterSave(2)")], check=False, cwd=tmp_path).returncode != 0
+    shardlm_cli(killed, cwd=tmp_path)
+    got, want = by_step(tmp_path / "killed"), by_step(one)
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), rel=1e-5, abs=1e-7)
 
 
 def env_turn(prompts, prompt_ids, generate, tokenizer, **_):
