@@ -4,6 +4,8 @@
 # make demo-distill: what distillation is for (benchmarks/distill_demo.py): a 2-layer student with 200 labels and the
 #   RL demo's teacher answering 4,000 unlabelled prompts, against the labels alone, three seeds (runs make demo-rl
 #   first when runs/sort/grpo-hf is missing)
+# make demo-tools: what tools are for in RL (benchmarks/tools_demo.py): a tiny model warmed up to call a calculator,
+#   then GRPO with the tool in the loop; held-out accuracy with the tool against the same model answering alone
 # make test: fresh venv (.venv-test: the test extras stay out of the demo's .venv), install, make lint (ruff,
 #   lint-imports, mypy, mkdocs build --strict), then the test suite on 2 pytest workers (TEST_WORKERS=0: one)
 # make gpu-check: the GPU acceptance run, benchmarks/gpu_check.py (< 8 min on one GPU; exits 0 saying so without one).
@@ -40,7 +42,7 @@ LOWEST_TORCH_TESTS ?= tests/test_optimizers.py tests/test_step.py \
   tests/test_checkpoint.py::test_kill_after_save_resumes_bit_exact tests/test_export.py::test_export_generate_eval_round_trip
 LOWEST_TORCH_SKIP ?= wsd_extended or schedules_equal
 
-.PHONY: install install-test demo demo-rl demo-distill test lint clean gpu-check xla-venv test-xla test-lowest-torch vllm-venv test-vllm
+.PHONY: install install-test demo demo-rl demo-distill demo-tools test lint clean gpu-check xla-venv test-xla test-lowest-torch vllm-venv test-vllm
 
 # The venv's own .gitignore (`*`, as Python 3.13's venv writes) keeps it out of git, whatever its name.
 $(PY):
@@ -64,6 +66,9 @@ demo: install
 
 demo-rl: install
 	$(PY) benchmarks/grpo_demo.py
+
+demo-tools: install
+	$(PY) benchmarks/tools_demo.py
 
 demo-distill: install
 	test -d runs/sort/grpo-hf || $(PY) benchmarks/grpo_demo.py

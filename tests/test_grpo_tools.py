@@ -423,3 +423,28 @@ def test_the_loss_on_an_episode_is_trls_with_its_tool_mask(loss_type):
                      max_completion_length=200)
     assert mine.item() == pytest.approx(theirs.item(), rel=1e-6)
     torch.testing.assert_close(torch.autograd.grad(mine, logps)[0], torch.autograd.grad(theirs, logps)[0])
+
+
+def test_the_tools_demos_task_keeps_its_held_out_pairs_out_and_renders_as_rl_asks(tmp_path, monkeypatch):
+    """benchmarks/tools_demo.py: no held-out pair is in the warm-up or the RL prompts, and a warm-up conversation's
+    prompt renders as the RL prompt with the tool's schema does (the system turn the template writes for it)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from helpers import benchmark_module
+
+    demo = benchmark_module("tools_demo", monkeypatch)
+    demo.write_task(tmp_path, 0, warmup=300, prompts=300, heldout=40)
+    read = {name: [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+            for name in ("warmup.jsonl", "prompts.jsonl", "heldout.jsonl")}
+    held = {r["prompt"][-1]["content"] for r in read["heldout.jsonl"]}
+    assert len(held) == 40 and not held & {r["prompt"][-1]["content"] for r in read["prompts.jsonl"]}
+    assert not held & {r["messages"][1]["content"] for r in read["warmup.jsonl"]}
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    box = load_toolbox(GrpoConfig(tools=[f"{tmp_path / 'calc.py'}:multiply"]), tok)
+    warm = read["warmup.jsonl"][0]["messages"]
+    as_rl = tok.apply_chat_template(warm[1:2], tools=box.schemas, add_generation_prompt=True, tokenize=False)
+    assert as_rl == tok.apply_chat_template(warm[:2], add_generation_prompt=True, tokenize=False)
+    call = parse_calls(warm[2]["content"], box.format)[0]  # the warm-up's call is one the run reads
+    assert call.arguments["a"] * call.arguments["b"] == int(warm[3]["content"]) == int(warm[4]["content"])
