@@ -131,6 +131,15 @@ def test_the_tool_turn_is_the_ids_trl_appends():
     assert ours == GRPOTrainer._get_tool_suffix_ids(trl_self, said)
     assert tok.decode(ours) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\nx\n"
                                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    llama = byte_tokenizer()  # Llama 3.1: the result an ipython turn, the template's own rendering
+    llama.chat_template = (TEMPLATES / "llama3.jinja").read_text()
+    llama.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>",
+                                                            "<|begin_of_text|>"]})
+    trl_self.processing_class, trl_self._tokenizer.eos_token_id = llama, end_of_turn_id(llama)
+    ours = tool_turn_ids(llama, said[:1], end_of_turn_id(llama))
+    assert ours == GRPOTrainer._get_tool_suffix_ids(trl_self, said[:1])
+    assert llama.decode(ours) == ('<|start_header_id|>ipython<|end_header_id|>\n\n"42"<|eot_id|>'
+                                  "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 class Scripted:
