@@ -255,12 +255,12 @@ def test_tool_settings_that_cannot_hold_are_refused(tmp_path, monkeypatch):
         prompt_token_ids(tok, RLPrompt("6 x 7?", {}), tools=[{"type": "function"}])
 
 
-def test_a_run_with_tools_renders_their_schema_dry_runs_the_call_and_trains(tmp_path, cache_dir):
-    """`shardlm train` with grpo.tools on chat prompts under a template that renders tools: the dry run shows the
-    schema in the first prompt and a parsed dummy call with its tool turn; the run trains and records tools/*."""
+def test_the_dry_run_shows_the_tools_schema_and_a_parsed_dummy_call(tmp_path, cache_dir):
+    """`shardlm train --dry-run` with grpo.tools on chat prompts under Qwen2.5's template: the schema in the first
+    prompt, and a parsed dummy call with its tool turn (a run that trains: the 2-ranks test below)."""
     import json
 
-    from helpers import records, shardlm_cli, tiny
+    from helpers import shardlm_cli, tiny
 
     (tmp_path / "calc.py").write_text("def multiply(a: int, b: int) -> int:\n    \"\"\"Multiply.\n\n    Args:\n"
                                       "        a: one\n        b: two\n    \"\"\"\n    return a * b\n")
@@ -278,9 +278,6 @@ def test_a_run_with_tools_renders_their_schema_dry_runs_the_call_and_trains(tmp_
     assert "parses to multiply({}) and fails; its tool turn (context, not trained):" in dry.stdout
     assert "<|im_start|>user\n<tool_response>\n{'error': \"multiply: missing a required argument: 'a'\"}\n" \
            "</tool_response><|im_end|>\n<|im_start|>assistant\n" in dry.stdout
-    shardlm_cli(["train", *args], cwd=tmp_path)
-    last = records(tmp_path / "run")[-1]
-    assert {"tools/call_frequency", "tools/failure_frequency", "tools/turns"} <= set(last)
 
 
 CALC = '''class Calc:
