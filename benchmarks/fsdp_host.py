@@ -1,0 +1,119 @@
+"""FSDP2's per-step host cost, measured: the step time of a tiny 12-block GPT on CPU without FSDP, under FSDP2 on
+one rank (full, grad_op) and on 2 ranks, and torch.profiler's FSDP2 phases (its `FSDP::` record_function ranges:
+all-gather, copy-out, pre/post forward and backward, reduce, reshard) and the optimizer step in ms per step.
+Prints one JSON object.
+
+    python benchmarks/fsdp_host.py [--steps 160] [--from 20] [--out FILE] [key=value ...]
+
+The model is the one of benchmarks/results/fsdp_host_overhead_cpu_2026-11-26.json (12 x 64 wide, 2 heads, byte
+vocabulary, seq 64, batch 4, fp32, eager), so its tiny compute leaves the host cost in plain view. Step times are
+from metrics.jsonl (`time_s` between the records of steps --from and --steps); the phases from a profiler started
+by a callback of this file (`Profile`) for the 20 steps after those, on rank 0. Ranges nest (an all-gather inside a
+pre-forward): each phase is its own inclusive total, not a share of a sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODEL = ["model.n_layer=12", "model.n_embd=64", "model.n_head=2", "data.seq_len=64", "model.n_positions=64",
+         "train.batch_size=4", "train.eval_every=0", "train.sample_tokens=0", "train.log_every=20",
+         "checkpoint.every=0", "log.tensorboard=false", "log.progress=none", "parallel.compile=false"]
+VARIANTS = {  # name: (processes, torchrun, overrides)
+    "no_fsdp": (1, False, ["parallel.fsdp=false"]),
+    "fsdp_full_1rank": (1, True, ["parallel.fsdp=true", "parallel.sharding=full"]),
+    "fsdp_grad_op_1rank": (1, True, ["parallel.fsdp=true", "parallel.sharding=grad_op"]),
+    "fsdp_full_2ranks": (2, True, ["parallel.fsdp=true", "parallel.sharding=full"]),
+}
+PROFILED = 20  # steps the profiler covers
+
+
+class Profile:
+    """A shardlm callback: torch.profiler over steps (start, start + PROFILED] on rank 0, its ranges named FSDP::
+    and the optimizer's summed per step (ms), written as JSON to `out`."""
+
+    def __init__(self, start: int, out: str):
+        self.start, self.out, self.prof = start, out, None
+
+    def on_step_end(self, trainer, result) -> None:  # noqa: ARG002 - the event's signature
+        import torch
+
+        if not trainer.dist.is_main:
+            return
+        if trainer.step == self.start:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.__enter__()
+        elif trainer.step == self.start + PROFILED and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            phases: dict[str, float] = {}
+            for e in self.prof.events():
+                name = re.sub(r" \(.*\)$| for .*$", "", e.name)  # the unit's name and the prefetch target go
+                if name.startswith("FSDP::") or name.startswith("Optimizer.step"):
+                    key = "Optimizer.step" if name.startswith("Optimizer.step") else name
+                    phases[key] = phases.get(key, 0.0) + e.cpu_time_total / 1000 / PROFILED
+            Path(self.out).write_text(json.dumps({k: round(v, 3) for k, v in sorted(phases.items())}) + "\n")
+
+
+def step_ms(run: Path, first: int, last: int) -> float:
+    records = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if r.get("split") == "train" and "time_s" in r}
+    return round((records[last]["time_s"] - records[first]["time_s"]) / (last - first) * 1000, 2)
+
+
+def measure(name: str, work: Path, args: argparse.Namespace) -> dict:
+    from common import ROOT  # here: shardlm imports this file for its callback, without benchmarks/ on its path
+
+    nproc, torchrun, overrides = VARIANTS[name]
+    run, phases = work / name, work / f"{name}-phases.json"
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "shardlm"] \
+        if torchrun else [sys.executable, "-m", "shardlm"]
+    cmd = [*launch, "train", "shakespeare_tiny", *MODEL, f"train.max_steps={args.steps + PROFILED}",
+           f"out_dir={run}", *overrides, *args.overrides,
+           f"--callback={Path(__file__).resolve()}:Profile({args.steps}, '{phases}')"]  # after the timed steps
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return {"ms_per_step": step_ms(run, args.start, args.steps),
+            "profiled_ms_per_step": json.loads(phases.read_text()) if phases.exists() else {}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--from", dest="start", type=int, default=20)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("overrides", nargs="*", help="key=value for every variant")
+    args = ap.parse_args()
+    import torch
+    from common import cpu_name
+
+    with tempfile.TemporaryDirectory(prefix="shardlm-fsdp-host-") as tmp:
+        rows = {name: measure(name, Path(tmp), args) for name in args.variants.split(",")}
+    base = rows.get("no_fsdp", {}).get("ms_per_step")
+    for row in rows.values():
+        if base:
+            row["x_no_fsdp"] = round(row["ms_per_step"] / base, 3)
+            row["host_cost_ms"] = round(row["ms_per_step"] - base, 2)
+    out = {"benchmark": "fsdp_host", "command": " ".join(["python", "benchmarks/fsdp_host.py", *sys.argv[1:]]),
+           "model": MODEL, "steps": [args.start, args.steps], "rows": rows,
+           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+                       "omp_num_threads": 1},
+           "note": "ms_per_step from metrics.jsonl time_s; profiled_ms_per_step: torch.profiler's inclusive CPU time "
+                   "of each FSDP:: range (nested ranges overlap) and of Optimizer.step, per step, rank 0, 20 steps "
+                   "(the profiler's own overhead inflates them; compare phases, not the sum, with ms_per_step)"}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps(out, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
