@@ -85,6 +85,17 @@ def sample_and_reward(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids
     group = g.group
     owners = [prompts[i // group] for i in range(len(prompts) * group)]
     fields = {k: [p.fields.get(k) for p in owners] for k in dict.fromkeys(k for p in prompts for k in p.fields)}
+    rollout, texts, completions = sample_round(sampler, tok, box, prompts, prompt_ids, keys, params, fields)
+    per_func = rewards.score([p.prompt for p in owners], completions, rollout.completions, fields)
+    check_applied(per_func, rewards, all_reduce)
+    return rollout, texts, per_func
+
+
+def sample_round(sampler: Sampler, tok, box: Toolbox | None, prompts: list[RLPrompt], prompt_ids: list[list[int]],
+                 keys: Sequence[int], params: SamplingParams, fields: dict[str, list]
+                 ) -> tuple[Rollout, list[str], list]:
+    """`params.group` completions of each prompt (with `box`: tool-calling episodes, or grpo.rollout_func's round),
+    decoded, and each as the rewards get it; `fields` gains the episodes' environments or the function's keys."""
     messages: list | None = None
     if box is None:
         rollout = sampler.sample(prompt_ids, keys, params)
@@ -99,10 +110,8 @@ def sample_and_reward(sampler: Sampler, tok, prompts: list[RLPrompt], prompt_ids
         if box.factory is not None:
             fields["environments"] = episodes.environments
     texts = [tok.decode(c, skip_special_tokens=True) for c in rollout.completions]
-    completions: list = messages or [completion_for_rewards(t, p) for t, p in zip(texts, owners, strict=True)]
-    per_func = rewards.score([p.prompt for p in owners], completions, rollout.completions, fields)
-    check_applied(per_func, rewards, all_reduce)
-    return rollout, texts, per_func
+    owners = [prompts[i // params.group] for i in range(len(texts))]
+    return rollout, texts, messages or [completion_for_rewards(t, p) for t, p in zip(texts, owners, strict=True)]
 
 
 def with_advantages(rollout: Rollout, texts: list[str], per_func: torch.Tensor, rewards: RewardSet, g: GrpoConfig,

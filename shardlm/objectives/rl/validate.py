@@ -12,13 +12,9 @@ import numpy as np
 import torch
 
 from shardlm.data import eval_shares
-from shardlm.data.prompts import completion_for_rewards
-from shardlm.objectives.rl.custom import custom_rollout
 from shardlm.objectives.rl.loss import weighted_rewards
-from shardlm.objectives.rl.multiturn import sample_episodes
 from shardlm.objectives.rl.rewards import exact_match, text_of
-from shardlm.objectives.rl.rollout import eager, prompt_split
-from shardlm.tokenizer import end_of_turn_id
+from shardlm.objectives.rl.rollout import eager, prompt_split, sample_round
 
 VAL_KEYS = 1 << 40  # validation prompts' sampling keys start here, apart from the training positions
 
@@ -39,9 +35,11 @@ def validate_prompts(rl: Any, val: Any, eval_batches: int) -> dict[str, Any]:
     names = rl.rewards.metric_names
     fields = {k: [p.fields.get(k) for p in prompts] for k in rows.field_names}
     with eager(), rl.autocast():
-        greedy, greedy_completions = _sample(rl, prompts, ids, keys,
-                                             dataclasses.replace(rl.params, group=1, temperature=0.0), dict(fields))
-        sampled, completions = _sample(rl, prompts, ids, keys, dataclasses.replace(rl.params, group=1), fields)
+        greedy, _, greedy_completions = sample_round(rl.sampler, rl.tok, rl.box, prompts, ids, keys,
+                                                     dataclasses.replace(rl.params, group=1, temperature=0.0),
+                                                     dict(fields))
+        sampled, _, completions = sample_round(rl.sampler, rl.tok, rl.box, prompts, ids, keys,
+                                               dataclasses.replace(rl.params, group=1), fields)
     if not len(indices):  # this rank has no batch (it sampled nothing, with the others)
         return _val_result(rl, torch.zeros(6 + 2 * len(names), dtype=torch.float64))
     per_func = rl.rewards.score([p.prompt for p in prompts], completions, sampled.completions, fields)
@@ -58,25 +56,6 @@ def validate_prompts(rl: Any, val: Any, eval_batches: int) -> dict[str, Any]:
                         *[torch.nan_to_num(c).mul(weight).sum() for c in columns],
                         *[((~torch.isnan(c)) * weight).sum() for c in columns]])
     return _val_result(rl, sums)
-
-
-def _sample(rl: Any, prompts: list, ids: list, keys: list, params: Any, fields: dict) -> tuple[Any, list]:
-    """One completion of each prompt and what the rewards get of it (with tools, a whole episode: its turns as
-    messages, and `fields` gains each one's environment)."""
-    if rl.box is None or rl.box.rollout is not None:
-        if rl.box is None:
-            out = rl.sampler.sample(ids, keys, params)
-        else:
-            episode, extra = custom_rollout(rl.box.rollout, rl.box.rollout_name, rl.sampler, rl.tok, prompts, ids,
-                                            keys, params, fields)
-            out = episode.rollout
-            fields |= extra
-        texts = [rl.tok.decode(c, skip_special_tokens=True) for c in out.completions]
-        return out, [completion_for_rewards(t, p) for t, p in zip(texts, prompts, strict=True)]
-    episodes = sample_episodes(rl.sampler, rl.tok, rl.box, prompts, ids, keys, params, end_of_turn_id(rl.tok))
-    if rl.box.factory is not None:
-        fields["environments"] = episodes.environments
-    return episodes.rollout, episodes.messages
 
 
 def _val_result(rl: Any, sums: torch.Tensor) -> dict[str, Any]:
