@@ -157,7 +157,8 @@ def test_selective_recomputes_fewer_ops_than_full(eager_none, corpus, cache_dir,
                                                      r"\(true = full, false = none\). Did you mean 'selective'"),
     (["parallel.activation_checkpointing=every:0"], "N of every:N is a whole number >= 1"),
     (["parallel.wrap=size:0"], "N of size:N is a number of parameters >= 1"),
-    (["parallel.wrap=sized:10"], "is not one of block, size:N"),
+    (["parallel.wrap=sized:10"], r"is not one of auto, block, blocks:K \(K blocks a unit\), size:N"),
+    (["parallel.wrap=blocks:0"], "K of blocks:K is a whole number >= 1"),
 ])
 def test_bad_modes_are_refused_with_the_config(overrides, message):
     with pytest.raises(ShardlmError, match=message):
@@ -194,6 +195,38 @@ def test_size_wrap_two_ranks_resumed_equal_one_process(corpus, cache_dir, tmp_pa
         assert got[step] == pytest.approx(loss, rel=1e-5), step
     saved = dcp.FileSystemReader(str(two / "checkpoints" / "step_000000010")).read_metadata().state_dict_metadata
     assert "model.hf.transformer.wte.weight" in saved and "model.hf.lm_head.weight" not in saved
+
+
+BLOCKS = ("FSDP2 units (parallel.wrap=blocks:2): 3, each gathering its parameters: transformer.h.* (2 blocks) x2 of "
+          "25,408, root of 10,336")
+
+
+def test_grouped_blocks_two_ranks_equal_one_process(corpus, cache_dir, tmp_path):
+    """4 blocks in 2 units of 2 (`fully_shard([a, b])`, one all-gather each, prefetched one from the other): 2 ranks
+    give one process's losses, and the header names the units formed."""
+    args = {"model.n_layer": 4, "parallel.wrap": "blocks:2", "train.batch_size": 4}
+    train_in_process(tiny(corpus, cache_dir, tmp_path / "one", **{**args, "train.batch_size": 8}))
+    two = shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / "two", **args)], nproc=2)
+    assert BLOCKS in two.stdout, two.stdout
+    want, got = by_step(tmp_path / "one"), by_step(tmp_path / "two")
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_auto_groups_small_blocks_up_to_a_unit_and_leaves_large_ones_alone():
+    from torch import nn
+
+    from shardlm.distributed.wrapping import AUTO_UNIT_PARAMS, blocks_per_unit
+
+    def blocks(n: int, params: int) -> nn.ModuleList:
+        return nn.ModuleList(nn.Linear(params, 1, bias=False, device="meta") for _ in range(n))
+
+    assert blocks_per_unit("auto", blocks(12, AUTO_UNIT_PARAMS // 7)) == 6  # 7 fit: 2 even units, not 7 + 5
+    assert blocks_per_unit("auto", blocks(12, AUTO_UNIT_PARAMS // 100)) == 12  # tiny blocks: one unit
+    assert blocks_per_unit("auto", blocks(32, AUTO_UNIT_PARAMS * 4)) == 1  # a 7B's blocks: one each
+    assert blocks_per_unit("blocks:3", blocks(4, 10)) == 3 and blocks_per_unit("block", blocks(4, 10)) == 1
+    assert blocks_per_unit("size:100", blocks(4, 10)) == 0
 
 
 def test_units_keep_ties_and_a_size_that_forms_none_is_refused():

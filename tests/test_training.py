@@ -19,7 +19,7 @@ def single_run(corpus, cache_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("sharding, nproc, extra", [
-    ("full", 2, {}),
+    ("full", 2, {"parallel.wrap": "block"}),  # a unit per block, each prefetching the next (auto: one of both)
     ("grad_op", 2, {}),
     ("no_shard", 2, {}),
     ("hybrid_full", 4, {"parallel.shard_size": 2}),
@@ -77,7 +77,8 @@ def test_validation_metrics_equal_hf_labels_loss(corpus, cache_dir, tmp_path, ch
 
 
 def test_tied_weights_survive_sharding(corpus, cache_dir, tmp_path):
-    out = subprocess.run(python_cmd(str(ROOT / "tests/scripts/tied_check.py"), *tiny(corpus, cache_dir, tmp_path),
+    out = subprocess.run(python_cmd(str(ROOT / "tests/scripts/tied_check.py"),
+                                    *tiny(corpus, cache_dir, tmp_path, **{"parallel.wrap": "block"}),
                                     nproc=2),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

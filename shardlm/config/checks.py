@@ -191,14 +191,15 @@ _SIZE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 
 
 def wrap_size(value: str) -> int:
-    """`parallel.wrap` as the parameter count past which a module subtree is its own FSDP2 unit; 0 = block."""
+    """`parallel.wrap` as the parameter count past which a module subtree is its own FSDP2 unit; 0 = by blocks."""
     spec = str(value).strip().lower()
-    if spec == "block":
+    if spec in ("auto", "block") or spec.startswith("blocks:"):
+        wrap_blocks(value)
         return 0
     name, _, size = spec.partition(":")
     if name != "size":
-        raise ShardlmError(f"parallel.wrap={value!r} is not one of block, size:N (N parameters, e.g. size:50M)."
-                           f"{nearest(spec, ['block', 'size:N'])}")
+        raise ShardlmError(f"parallel.wrap={value!r} is not one of auto, block, blocks:K (K blocks a unit), size:N "
+                           f"(N parameters, e.g. size:50M).{nearest(spec, ['auto', 'block', 'blocks:K', 'size:N'])}")
     number, unit = size.rstrip("kmbg"), size[len(size.rstrip("kmbg")):]
     try:
         count = float(number) * _SIZE_UNITS[unit] if unit in _SIZE_UNITS else 0.0
@@ -208,3 +209,20 @@ def wrap_size(value: str) -> int:
         raise ShardlmError(f"parallel.wrap={value}: N of size:N is a number of parameters >= 1, such as size:50M, "
                            "size:5e7 or size:50000000 (each module subtree past N parameters becomes an FSDP2 unit).")
     return int(count)
+
+
+def wrap_blocks(value: str) -> int | None:
+    """`parallel.wrap` as the consecutive transformer blocks in one FSDP2 unit: 1 for block, K for blocks:K, 0 for
+    size:N (units by parameter count), None for auto (chosen from the model: wrapping.blocks_per_unit)."""
+    spec = str(value).strip().lower()
+    if spec == "auto":
+        return None
+    if spec == "block":
+        return 1
+    if not spec.startswith("blocks:"):
+        return 0
+    k = spec.removeprefix("blocks:")
+    if not k.isdigit() or int(k) < 1:
+        raise ShardlmError(f"parallel.wrap={value}: K of blocks:K is a whole number >= 1, the consecutive blocks "
+                           "one FSDP2 unit gathers together (blocks:1 = block; blocks:4 on 12 blocks = 3 units).")
+    return int(k)

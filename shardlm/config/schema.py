@@ -203,7 +203,7 @@ class ParallelConfig:
     cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)
     bf16_residual: bool = True  # bf16 without FSDP: the residual stream between blocks in bf16, as FSDP's (false: fp32)
     activation_checkpointing: str = "none"  # none | full (true) | every:N | selective | offload (docs/gpus.md)
-    wrap: str = "block"  # FSDP2 units: block (each block, the rest in the root) | size:N (subtrees past N params)
+    wrap: str = "auto"  # FSDP2 units: auto (blocks grouped to ~50M params) | block | blocks:K | size:N (params)
     compile: str = "auto"  # model (whole model + loss), blocks (each block), false; auto = model on CUDA, else false
     prefetch: int = 1  # FSDP2 explicit forward/backward prefetch depth; 0 = implicit
     device: str = "auto"  # auto (cuda if visible; xla if PJRT_DEVICE names an accelerator), cpu, cuda or xla

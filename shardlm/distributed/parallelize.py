@@ -265,9 +265,10 @@ def cast_hidden_states(dtype: torch.dtype):
 
 
 def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
-    """`fully_shard` each block (or each unit of `parallel.wrap=size:N`), then the root (embeddings, final norm,
-    head), with explicit prefetch between blocks. As in torchtitan, the last block stays gathered after its forward
-    (its backward comes next). Units by size prefetch implicitly: their order of use is not known here."""
+    """`fully_shard` each unit of consecutive blocks (`parallel.wrap`: auto, block, blocks:K) or of size:N, then the
+    root (embeddings, final norm, head), with explicit prefetch between units of blocks. As in torchtitan, the last
+    unit stays gathered after its forward (its backward comes next). Units by size prefetch implicitly: their order
+    of use is not known here."""
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         FSDPModule,
@@ -283,18 +284,23 @@ def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, d
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     if pl.mesh_shape[-1] == 1:  # torch's one-rank shortcut passes a tensor subclass only its first all-gather input
         kwargs["ignored_params"] = {q for q in model.parameters() if nf4.is_nf4(q)}  # QLoRA's NF4 base: held whole
-    sharded: list[FSDPModule] = []  # the blocks themselves, as fully_shard returns them
+    sharded: list[FSDPModule] = []  # each unit's first block, as fully_shard returns it (a group shares one state)
     if wrap_size(p.wrap):
         for name in wrapping.check_size(model.hf, wrap_size(p.wrap), pl.compile != "false", p.wrap):
             fully_shard(model.hf.get_submodule(name), **kwargs)
-    for i, block in enumerate(blocks if not wrap_size(p.wrap) else []):
-        # the last block's backward starts right after its forward: keeping it gathered saves re-gathering it
-        last = i == len(blocks) - 1
-        sharded.append(fully_shard(block, **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last}))
-    fully_shard(model, **kwargs)
+    k = wrapping.blocks_per_unit(p.wrap, blocks)
+    groups = [list(blocks[i: i + k]) for i in range(0, len(blocks), k)] if k else []
+    for i, group in enumerate(groups):
+        # the last unit's backward starts right after its forward: keeping it gathered saves re-gathering it
+        last = i == len(groups) - 1
+        unit = fully_shard(group if len(group) > 1 else group[0],
+                           **{**kwargs, "reshard_after_forward": pl.reshard_after_forward and not last})
+        sharded.append(unit[0] if isinstance(unit, list) else unit)
+    # torch's rule for the root (None): kept gathered after forward, since backward starts with the head it holds
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None})
     for name in FORWARDS:  # forwards too (preference pairs', online RL's, distillation's): the root's gathers
         register_fsdp_forward_method(model, name)
-    if p.prefetch > 0 and len(blocks) > 1:
+    if p.prefetch > 0 and len(sharded) > 1:
         depth = p.prefetch
         for i, unit in enumerate(sharded):
             unit.set_modules_to_forward_prefetch(sharded[i + 1: i + 1 + depth])

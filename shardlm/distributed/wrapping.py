@@ -1,8 +1,12 @@
 """`parallel.wrap`: which modules become FSDP2 units (each gathers its parameters for its forward and backward
 and frees them after), and the run header's account of the units formed.
 
-`block` (the default) makes each transformer block a unit and leaves the rest (embeddings, final norm, head) to
-the root. `size:N` is FSDP1's `size_based_auto_wrap_policy(min_num_params=N)`: children first, a module whose
+`block` makes each transformer block a unit and leaves the rest (embeddings, final norm, head) to the root;
+`blocks:K` makes K consecutive blocks one unit (`fully_shard([...])`: one all-gather and one reduce-scatter for
+all of them); `auto` (the default) groups blocks up to AUTO_UNIT_PARAMS parameters a unit, so small blocks stop
+paying FSDP2's per-unit host cost (hooks, events, one collective each) a dozen times a step while large ones
+(past AUTO_UNIT_PARAMS each: Llama 7B's 200M) stay one a unit. benchmarks/README.md has the measurements.
+`size:N` is FSDP1's `size_based_auto_wrap_policy(min_num_params=N)`: children first, a module whose
 parameters not already in a unit below it number N or more becomes a unit, and what remains goes to the root.
 Fewer, larger units mean fewer collectives; smaller ones a lower peak of gathered weights.
 """
@@ -15,10 +19,27 @@ from collections import defaultdict
 from torch import nn
 
 from shardlm import ShardlmError
+from shardlm.config.checks import wrap_blocks
 from shardlm.models.causal_lm import transformer_blocks
 from shardlm.models.state_keys import hf_name, state_key
 
+# auto's unit: at least this many parameters gathered together, or one block when a block holds more. On GPT-2
+# 124M (7M a block) units of 6 blocks: ~170 MB of bf16 weights held gathered at once, against FSDP2's host cost
+# of 12 units measured at 1.6x a step on 2 ranks (benchmarks/README.md).
+AUTO_UNIT_PARAMS = 50_000_000
 WRAPPED = "_checkpoint_wrapped_module"  # activation checkpointing's (and offload's) wrapper's child
+
+
+def blocks_per_unit(spec: str, blocks: nn.ModuleList) -> int:
+    """How many consecutive blocks each FSDP2 unit holds (0: units by size:N). auto takes as many blocks as fit in
+    AUTO_UNIT_PARAMS (at least one), then evens the units out: 12 blocks that fit 7 become 2 units of 6."""
+    k = wrap_blocks(spec)
+    if k is not None:
+        return k
+    largest = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    fit = max(1, AUTO_UNIT_PARAMS // max(largest, 1))
+    units = -(-len(blocks) // fit)
+    return -(-len(blocks) // max(units, 1))
 
 
 def size_units(hf: nn.Module, size: int, whole_blocks: bool) -> tuple[list[str], tuple[int, str]]:
@@ -74,14 +95,19 @@ def describe_units(model: nn.Module, spec: str) -> str | None:
     formed), grouped by name with the block numbers starred, each with the parameters it gathers."""
     from torch.distributed.fsdp import FSDPModule
 
-    units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
-    if not units:
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not named:
         return None
-    owned = owned_params(model, units)
+    owned = owned_params(model, [name for name, _ in named])
+    by_state: dict[int, list[str]] = defaultdict(list)  # fully_shard([a, b]): one unit, one state, two modules
+    for name, m in named:
+        by_state[id(m._get_fsdp_state())].append(name)
+    units = list(by_state.values())
     groups: dict[tuple[str, int], int] = defaultdict(int)
     for unit in units:
-        shown = re.sub(r"\.\d+(?=\.|$)", ".*", hf_name(state_key(unit))) or "root"
-        groups[shown, owned[unit]] += 1
+        shown = re.sub(r"\.\d+(?=\.|$)", ".*", hf_name(state_key(unit[0]))) or "root"
+        shown += f" ({len(unit)} blocks)" if len(unit) > 1 else ""
+        groups[shown, sum(owned[n] for n in unit)] += 1
     parts = [f"{name} x{n} of {size:,}" if n > 1 else f"{name} of {size:,}" for (name, size), n in groups.items()
              if name != "root"]
     return (f"FSDP2 units (parallel.wrap={spec}): {len(units)}, each gathering its parameters: "

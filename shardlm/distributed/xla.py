@@ -96,7 +96,7 @@ def check(parallel: Any, world_size: int) -> None:
     for (key, value), why in UNSUPPORTED.items():
         if getattr(parallel, key) == value:
             raise ShardlmError(f"parallel.{key}={str(value).lower()} is not supported on XLA: {why}.")
-    if parallel.wrap != "block":
+    if parallel.wrap not in ("auto", "block"):
         raise ShardlmError(f"parallel.wrap={parallel.wrap} is not supported on XLA: SPMD shards each parameter on its "
                            "own, with no FSDP2 units; use parallel.wrap=block.")
     if world_size > 1:

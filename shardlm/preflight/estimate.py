@@ -32,7 +32,7 @@ from shardlm.config.checks import ac_mode, wrap_size
 from shardlm.distributed import context
 from shardlm.distributed.checkpointing import SelectiveSaved, checkpointed
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
-from shardlm.distributed.wrapping import owned_params, size_units
+from shardlm.distributed.wrapping import blocks_per_unit, owned_params, size_units
 from shardlm.models import lora
 from shardlm.models.causal_lm import auto_loss_chunk, num_params, transformer_blocks
 from shardlm.models.hf_config import logit_transform, model_config
@@ -175,7 +175,8 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     label, state = state_bytes_estimate(cfg, meta, shard)  # the optimizer's own: AdamW 8 bytes, 8-bit ~2, ...
     comp[label if trainable == total else f"{label}; adapters"] = state * on_device
     if use_fsdp:  # gathered copies: root (embeddings) + the blocks held at once (all when not resharding)
-        held = len(blocks) if not reshard else min(len(blocks), 1 + max(1, p.prefetch))
+        k = blocks_per_unit(p.wrap, blocks)  # units of k blocks: the one running and those prefetched
+        held = len(blocks) if not reshard else min(len(blocks), k * (1 + max(1, p.prefetch)))
         both_fp32_whole = shard == 1 and compute == torch.float32  # the local shard is the whole tensor
         gathered = _held_by_units(cfg, meta, reshard) if wrap_size(p.wrap) else root + held * per_block
         comp["gathered parameters"] = 0.0 if both_fp32_whole else gathered * csize
@@ -237,7 +238,7 @@ def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s){split}, batch {cfg.train.batch_size} x seq "
                      f"{cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {cfg.parallel.activation_checkpointing}, "
-                     + (f"wrap {cfg.parallel.wrap}, " if wrap_size(cfg.parallel.wrap) else "") +
+                     + (f"wrap {cfg.parallel.wrap}, " if cfg.parallel.wrap not in ("auto", "block") else "") +
                      f"loss chunk {_chunk_name(cfg.train.loss_chunk_size)}; {est.parameters / 1e6:.1f}M parameters")
         lines.append(est.table())
     return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Run under torchrun: only the last block stays gathered after its forward; after two steps lm_head and wte
+"""Run under torchrun with parallel.wrap=block: only the last block and the root (torch's rule: the head it holds
+starts the backward) stay gathered after their forward; after two steps lm_head and wte
 hold the same values; AdamW's update runs on the local shards (no op of its step sees a DTensor) while its
 state stays DTensors for DCP."""
 
@@ -36,6 +37,8 @@ assert groups[0].post_forward_mesh_info is not None and groups[-1].post_forward_
 before = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 trainer.train_step()
 trainer.train_step()
+root = trainer.model._get_fsdp_state()._fsdp_param_group  # its lazy init (the first forward) applies the rule
+assert root.post_forward_mesh_info is None, "the root is resharded after its forward, to be gathered again at once"
 state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if trainer.dist.is_main:
     wte, head = state["hf.transformer.wte.weight"], state.get("hf.lm_head.weight", state["hf.transformer.wte.weight"])
