@@ -31,6 +31,9 @@ VARIANTS = {  # name: (processes, torchrun, overrides)
     "fsdp_full_1rank": (1, True, ["parallel.fsdp=true", "parallel.sharding=full"]),
     "fsdp_grad_op_1rank": (1, True, ["parallel.fsdp=true", "parallel.sharding=grad_op"]),
     "fsdp_full_2ranks": (2, True, ["parallel.fsdp=true", "parallel.sharding=full"]),
+    # parallel.wrap=block, the default before 2026-11-29: a unit per block (auto makes these 12 blocks one unit)
+    "fsdp_full_1rank_block": (1, True, ["parallel.fsdp=true", "parallel.sharding=full", "parallel.wrap=block"]),
+    "fsdp_full_2ranks_block": (2, True, ["parallel.fsdp=true", "parallel.sharding=full", "parallel.wrap=block"]),
 }
 PROFILED = 20  # steps the profiler covers
 

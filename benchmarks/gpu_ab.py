@@ -24,6 +24,8 @@ The variants (GPT-2 124M, seq 1024, micro-batch 32, vocabulary padded to 64, com
   hf              HF Trainer (torch_compile, SDPA, the same padding, batch and data): its tokens/s
   b64             micro-batch 64 with today's defaults (train.loss_chunk_size null: the plain compiled loss)
   fsdp1_b16       fsdp1 at half the micro-batch (16), with a profile: the host-bound case
+  fsdp1_b16_block fsdp1_b16 with parallel.wrap=block (a unit per block, the default before 2026-11-29; auto
+                  groups GPT-2 124M's 12 blocks into 2 units): the per-unit host cost's A/B
   llama_bf16      a Llama-3-8B-shaped body of --large-layers blocks (width 4096, 32 heads, 8 key/value heads, MLP
                   14336), random weights, GPT-2 BPE, parallel.compile=blocks, micro-batch --large-batch: where fp8's
                   matmuls are large enough to pay (torchtitan measures +28% at 8B)
@@ -80,6 +82,8 @@ def variants(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
         ("hf", hf),
         ("b64", mfu(a.size, 2 * a.batch, NEW)),
         ("fsdp1_b16", mfu(a.size, a.batch // 2, [*NEW, "parallel.fsdp=true"], profile=3, torchrun=True)),
+        ("fsdp1_b16_block", mfu(a.size, a.batch // 2, [*NEW, "parallel.fsdp=true", "parallel.wrap=block"],
+                                torchrun=True)),
         ("llama_bf16", mfu(a.large, a.large_batch, llama)),
         ("llama_fp8", mfu(a.large, a.large_batch, llama) + ["--precision", "fp8"]),
     ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 58 (GPU round four) on one lent GPU, its list in order, under one deadline (each part takes what is left):
 #   bash benchmarks/gpu_round4.sh check 500  # 1: make gpu-check whole, its default budget (480 s): a call of its own
-#   bash benchmarks/gpu_round4.sh rest 400   # 2: FSDP2 one rank (full, compiled) at batch 32 and 16 with profiles,
+#   bash benchmarks/gpu_round4.sh rest 400   # 2: FSDP2 one rank (full, compiled) at batch 32 and 16 with profiles
+#                                            # (and 16 with parallel.wrap=block: issue 56's A/B),
 #                                            # one process at 32 beside it; 3: fp8 vs bf16 on a Llama-3-8B-shaped
 #                                            # body of 8 blocks (compile=blocks; fp8's first compile takes > 1 min)
 #   bash benchmarks/gpu_round4.sh fsdp 200   # item 2 alone;  ... llama 200: item 3 alone
@@ -33,7 +34,7 @@ if [ "$what" = check ]; then
     | tee "$OUT/gpu_check.log" | grep -v '^{' | tail -30
 fi
 if [ "$what" = rest ] || [ "$what" = fsdp ]; then
-  ab both,fsdp1,fsdp1_b16 $(($(left) - $([ "$what" = rest ] && echo 150 || echo 10)))
+  ab both,fsdp1,fsdp1_b16,fsdp1_b16_block $(($(left) - $([ "$what" = rest ] && echo 150 || echo 10)))
 fi
 if [ "$what" = rest ] || [ "$what" = llama ]; then
   ab llama_bf16,llama_fp8 $(($(left) - 10)) --steps 10 --warmup 3

@@ -36,7 +36,8 @@ class LanguageModeling(Defaults):
         loss_sum = torch.zeros((), device=loop.device)
         for m in range(loop.accum):
             batch = loop.train_batch(m)
-            set_gradient_sync(loop.model, m == loop.accum - 1)
+            if loop.accum > 1:  # FSDP2 walks every module to set it: once a step is host time at small sizes
+                set_gradient_sync(loop.model, m == loop.accum - 1)
             loss_sum += loop.forward_backward_step(batch, per_rank)
         return targets, loss_sum, None
 
