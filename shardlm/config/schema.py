@@ -198,6 +198,7 @@ class ParallelConfig:
     sharding: str = "full"  # full | grad_op | no_shard | hybrid_full | hybrid_grad
     shard_size: int = 0  # hybrid shard-group size; 0 = ranks per node
     context: int = 1  # ranks each row's tokens are split over (context parallelism); divides the world size
+    tensor: int = 1  # ranks each block's heads and MLP are split over (tensor parallelism); divides the world size
     precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (params/compute; gradients reduce in fp32; fp8 = Hopper+)
     fsdp: bool | None = None  # null = FSDP2 when world size > 1 or cpu_offload; true = also on one rank
     cpu_offload: bool = False  # keep params, grads and optimizer state in CPU RAM (FSDP2 CPUOffloadPolicy)

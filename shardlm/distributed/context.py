@@ -95,19 +95,28 @@ class Context:
         from transformers import AttentionInterface
 
         self.size = size
-        self.mesh = init_device_mesh(dist.device.type, (dist.world_size // size, size),
-                                     mesh_dim_names=("data", "context"))
+        t = dist.tensor  # parallel.tensor: its ranks innermost, each context rank's block split over them
+        self.mesh = init_device_mesh(dist.device.type, (dist.world_size // (size * t), size, t),
+                                     mesh_dim_names=("data", "context", "tensor"))
         self.rank = self.mesh["context"].get_local_rank()
         self.process_group = self.mesh["context"].get_group()
         self.group = c10d._get_process_group_name(self.process_group)
         AttentionInterface.register(CONTEXT_ATTENTION, attention_forward)
 
     def describe(self) -> str:
-        return f"mesh data {self.mesh.size(0)} x context {self.size}"
+        tensor = f" x tensor {self.mesh.size(2)}" if self.mesh.size(2) > 1 else ""
+        return f"mesh data {self.mesh.size(0)} x context {self.size}{tensor}"
 
 
 def attach(dist: Dist, cfg: Config) -> None:
-    """Give `dist` its context mesh for `parallel.context` > 1: micro-batches are then per data index."""
+    """Give `dist` its context mesh for `parallel.context` > 1 and its tensor groups for `parallel.tensor` > 1:
+    micro-batches are then per data index."""
+    if cfg.parallel.tensor > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        t = dist.tensor = cfg.parallel.tensor
+        dist.rows_group = init_device_mesh(dist.device.type, (dist.world_size // t, t),
+                                           mesh_dim_names=("rows", "tensor"))["rows"].get_group()
     if cfg.parallel.context > 1:
         dist.context = Context(cfg.parallel.context, dist)
 

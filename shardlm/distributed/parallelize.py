@@ -19,7 +19,7 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, ParallelConfig, objectives
 from shardlm.config.checks import ac_mode, wrap_size
-from shardlm.distributed import checkpointing, context, wrapping
+from shardlm.distributed import checkpointing, context, tensor, wrapping
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora, nf4
 from shardlm.models.causal_lm import FORWARDS, CausalLM, transformer_blocks
@@ -45,6 +45,7 @@ class Plan:
     reshard_after_forward: bool
     dtype: torch.dtype
     compile: str  # "model", "blocks" or "false" (auto resolved)
+    tensor: int = 1  # parallel.tensor: FSDP2's mesh_shape covers the world's ranks divided by it
 
 
 def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.device) -> Plan:
@@ -80,13 +81,14 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
         raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
                            "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
+    tensor.check_plan(cfg, world_size, device)
     shape = mesh_shape(cfg, world_size, local_world_size)
     context.check_plan(cfg, world_size, device)
     warn_once(gpu_config_warning(cfg, device))  # after the refusals: a config that cannot run says only that
     warn_once(one_rank_per_node_note(cfg, device, use_fsdp, world_size, local_world_size))
     warn_once(memory_notes(cfg, device, use_fsdp))
     return Plan(use_fsdp=use_fsdp, mesh_shape=shape, reshard_after_forward=STRATEGIES[p.sharding][1],
-                dtype=DTYPES[p.precision], compile=compile_)
+                dtype=DTYPES[p.precision], compile=compile_, tensor=p.tensor)
 
 
 def gpu_config_warning(cfg: Config, device: torch.device) -> str | None:
@@ -148,8 +150,10 @@ def warn_once(message: str | None) -> None:
 
 def mesh_shape(cfg: Config, world_size: int, local_world_size: int) -> tuple[int, ...]:
     """(ranks,) for full/grad_op; (replicas, shard) for the hybrid strategies and no_shard (shard 1).
-    The last dimension is how many ranks share one copy of the parameters."""
+    The last dimension is how many ranks share one copy of the parameters. Under parallel.tensor=N, FSDP2's
+    ranks are the world's divided by N (the tensor ranks split each block instead)."""
     p = cfg.parallel
+    world_size, local_world_size = world_size // p.tensor, max(1, local_world_size // p.tensor)
     hybrid, _ = STRATEGIES[p.sharding]
     if p.sharding == "no_shard":
         return (world_size, 1)
@@ -179,10 +183,15 @@ def compile_mode(configured: str, device: torch.device) -> str:
 
 
 def device_mesh(pl: Plan, device: torch.device):
+    """FSDP2's mesh and, under parallel.tensor, the tensor ranks' (one mesh, tensor innermost, which FSDP2 needs
+    to place parameters that are already split)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     names = ("replicate", "shard") if len(pl.mesh_shape) == 2 else ("shard",)
-    return init_device_mesh(device.type, pl.mesh_shape, mesh_dim_names=names)
+    if pl.tensor == 1:
+        return init_device_mesh(device.type, pl.mesh_shape, mesh_dim_names=names), None
+    mesh = init_device_mesh(device.type, (*pl.mesh_shape, pl.tensor), mesh_dim_names=(*names, "tensor"))
+    return mesh[names], mesh["tensor"]
 
 
 def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module:
@@ -211,11 +220,14 @@ def parallelize(model: CausalLM, cfg: Config, pl: Plan, dist: Dist) -> nn.Module
         from shardlm.models.fp8 import compile_time_note
 
         warn_once(compile_time_note(pl.compile, per_block, len(blocks)))
+    meshes = device_mesh(pl, dist.device) if pl.use_fsdp else (None, None)
+    if meshes[1] is not None:  # torchtitan's order: split the blocks, then checkpoint, compile and shard them
+        tensor.parallelize_blocks(blocks, meshes[1])
     for i, block in enumerate(blocks):
         blocks[i] = checkpointing.prepare_block(block, i, cfg.parallel.activation_checkpointing, len(blocks),
                                                 preserve_rng=cfg.model.dropout > 0, compile_block=per_block)
     if pl.use_fsdp:
-        shard(model, blocks, cfg.parallel, pl, dist)
+        shard(model, blocks, cfg.parallel, pl, meshes[0])
     elif pl.dtype == torch.bfloat16 and cfg.parallel.bf16_residual:
         blocks[0].register_forward_pre_hook(cast_hidden_states(pl.dtype), with_kwargs=True)
     if pl.compile == "model" and model.loss_chunk_size and dist.device.type == "cuda":
@@ -237,6 +249,7 @@ def check_model(hf: nn.Module, cfg: Config, pl: Plan) -> str | None:
     p, n_blocks = cfg.parallel, len(transformer_blocks(hf))
     checkpointing.check(p.activation_checkpointing, n_blocks)
     context.check_model(hf.config, cfg)
+    tensor.check_model(hf.config, cfg)
     if lora.backend(cfg.lora, None, pl.use_fsdp) == "torchao":  # QLoRA's 4-bit weights: blocks of 64, even shards
         nf4.check(nf4.block_linears(hf), pl.mesh_shape if pl.use_fsdp else ())
     said = [checkpointing.describe(p.activation_checkpointing, n_blocks) or ""]
@@ -264,7 +277,7 @@ def cast_hidden_states(dtype: torch.dtype):
     return hook
 
 
-def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, dist: Dist) -> None:
+def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, mesh) -> None:
     """`fully_shard` each unit of consecutive blocks (`parallel.wrap`: auto, block, blocks:K) or of size:N, then the
     root (embeddings, final norm, head), with explicit prefetch between units of blocks. As in torchtitan, the last
     unit stays gathered after its forward (its backward comes next). Units by size prefetch implicitly: their order
@@ -277,7 +290,7 @@ def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, d
         register_fsdp_forward_method,
     )
 
-    kwargs = {"mesh": device_mesh(pl, dist.device), "reshard_after_forward": pl.reshard_after_forward}
+    kwargs = {"mesh": mesh, "reshard_after_forward": pl.reshard_after_forward}
     if pl.dtype != torch.float32:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=pl.dtype, reduce_dtype=torch.float32)
     if p.cpu_offload:  # pinning needs an accelerator; on CPU-only hosts it raises

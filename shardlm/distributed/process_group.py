@@ -142,14 +142,19 @@ class Dist:
     def __init__(self, info: LaunchInfo, device: torch.device, devices: int = 1):
         self.info, self.device, self.devices = info, device, devices
         self.context: Any = None  # shardlm.distributed.context.Context: rows split over `context.size` ranks
+        self.tensor = 1  # parallel.tensor: consecutive ranks splitting each block, all reading the same rows
+        self.rows_group: Any = None  # with tensor > 1: the ranks of one tensor index, each with distinct rows
 
     rank = property(lambda self: self.info.rank)
     world_size = property(lambda self: self.info.world_size)
     context_size = property(lambda self: self.context.size if self.context is not None else 1)
-    # micro-batches per micro-step: the context ranks of a data index share theirs
-    data_parallel = property(lambda self: self.info.world_size * self.devices // self.context_size)
-    data_rank = property(lambda self: self.info.rank // self.context_size)
-    data_world = property(lambda self: self.info.world_size // self.context_size)  # processes of distinct rows
+    # micro-batches per micro-step: the context and tensor ranks of a data index share theirs
+    data_parallel = property(lambda self: self.info.world_size * self.devices // (self.context_size * self.tensor))
+    data_rank = property(lambda self: self.info.rank // (self.context_size * self.tensor))
+    data_world = property(lambda self: self.info.world_size // (self.context_size * self.tensor))  # distinct rows
+    # validation: each rank scores rows of its own, except tensor ranks, which run one forward together
+    eval_rank = property(lambda self: self.info.rank // self.tensor)
+    eval_world = property(lambda self: self.info.world_size // self.tensor)
     is_main = property(lambda self: self.info.rank == 0)
     # HF's generate grows its input a token at a time: XLA would compile a graph per length, so it runs on the host
     generation_device = property(lambda self: "cpu" if self.device.type == "xla" else str(self.device))
@@ -164,8 +169,10 @@ class Dist:
             dist.barrier()
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums over the ranks holding distinct rows (or distinct parts of them): tensor ranks hold the same
+        statistics, so with parallel.tensor > 1 the sum runs over one rank of each tensor group."""
         if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.rows_group)
         return tensor
 
     def broadcast_object(self, obj):

@@ -21,6 +21,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def splits(placement: Any) -> bool:
+    """`placement` divides a tensor over its mesh dimension: Shard, or the strided shard FSDP2 places on a dimension
+    that tensor parallelism split first (torch 2.13's _StridedShard is no Shard subclass, and its is_shard() is
+    False)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, (Shard, _StridedShard))
+
+
 def row_split(n: int, ranks: int) -> list[int]:
     """Rows of each rank's slice of an n-row tensor sharded on dim 0 (torch.chunk's split, as FSDP2's)."""
     size = -(-n // ranks)

@@ -116,7 +116,8 @@ class Validator:
         """This rank's batches of `rows` on the device, each with its Share: what `validate` scores, and what
         scores per sequence read (a preference reference's log-probabilities)."""
         load = self.load or to_device(self.dist.device)
-        for indices in eval_shares(len(rows), self.dist.rank, self.dist.world_size, self.batch, self.max_batches):
+        for indices in eval_shares(len(rows), self.dist.eval_rank, self.dist.eval_world, self.batch,
+                                   self.max_batches):
             valid = indices >= 0
             real = np.where(valid, indices, 0)
             yield load(rows, real), Share(rows, real, valid)

@@ -173,7 +173,8 @@ def dry_run(cfg: Config, world_size: int) -> str:
     rl = objectives.spec(cfg).reads == "prompts"
     data_lines = [*(_data_line(name, spec, "train", d, rl) for name, spec in specs),
                   _data_line("data.val", d.val, "validation", d, rl)]
-    world = world_size * (xla.device_count() if device.type == "xla" else 1) // cfg.parallel.context  # rows split
+    world = world_size * (xla.device_count() if device.type == "xla" else 1) // (cfg.parallel.context
+                                                                              * cfg.parallel.tensor)  # rows shared
     counted = _count(cfg, tokenizer, hf_cfg, world)
     if counted.blocks is not None:
         checks.check_resume(cfg, hf_cfg, *counted.blocks, resumed)
@@ -187,6 +188,7 @@ def dry_run(cfg: Config, world_size: int) -> str:
     lines = [*data_lines, counted.line, *counted.examples, *model_lines, *resume,
              f"plan: {world_size} rank(s) on {device.type}, "
              + (f"FSDP2 {cfg.parallel.sharding} mesh {pl.mesh_shape}" if pl.use_fsdp else "no FSDP")
+             + (f" x tensor {pl.tensor} (each block split over {pl.tensor} ranks)" if pl.tensor > 1 else "")
              + (f", rows split by context: mesh data {world} x context {cfg.parallel.context}"
                 if cfg.parallel.context > 1 else "")
              + f", {cfg.parallel.precision}, compile {pl.compile}",

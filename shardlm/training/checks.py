@@ -75,6 +75,10 @@ def check_settings(cfg: Config, pl: Plan, device: Any) -> None:
     tracking.require(cfg.log)
     lora.check(cfg.lora, device, sharded=pl.use_fsdp)  # QLoRA's refusals come before any data work
     name = optimizers.check_optimizer(cfg)  # a misspelled optimizer or a missing library too
+    if pl.tensor > 1 and name not in ("adamw", "sgd"):  # the others keep row statistics of FSDP2's row shards
+        raise ShardlmError(f"parallel.tensor={pl.tensor} with train.optimizer={cfg.train.optimizer}: its statistics "
+                           "assume FSDP2's row shards alone, and tensor parallelism splits columns too; use "
+                           "train.optimizer=adamw (or sgd), or parallel.tensor=1.")
     check_schedule(cfg.train, 0, name)  # its names and ranges; against the run's steps in check_data
 
 

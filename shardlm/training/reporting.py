@@ -70,6 +70,7 @@ def run_header(run: Run) -> str:
     if pl.use_fsdp:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
                  f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}"
+                 + (f" x tensor {pl.tensor}" if pl.tensor > 1 else "")
                  + (f", rows split by context: {d.context.describe()}" if d.context is not None else ""))
     elif d.device.type == "xla":
         where = f"1 process, XLA SPMD over {d.devices} device(s), FSDPv2 {cfg.parallel.sharding}"
@@ -160,7 +161,7 @@ class Reporter:
             self.stats = None
         target_fraction = self.targets / (self.steps * self.tokens_per_step)
         tps = self.tokens_per_step * self.steps / max(self.seconds, 1e-9)
-        chips = self.dist.data_parallel * self.dist.context_size  # a row split by context runs on all N chips
+        chips = self.dist.data_parallel * self.dist.context_size * self.dist.tensor  # a split row runs on all its chips
         mfu = self.flops_per_token * tps / (self.peak_flops * chips) if self.peak_flops else None
         if self.objective.sampled:  # the rates of what was sampled and trained
             pref, target_fraction, mfu = self._rl_record(), 1.0, None

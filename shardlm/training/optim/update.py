@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardlm.config import Config
-from shardlm.distributed.shards import local_shard
+from shardlm.distributed.shards import local_shard, splits
 from shardlm.training.optim.adamw import takes_amp_scaling
 
 
@@ -33,7 +33,7 @@ def grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
     DTensor dispatch costs ~15 us of host time per parameter and op (3.1 vs 0.9 ms for GPT-2's 148
     parameters, CPU), which shows wherever the GPU waits on the host. With CPU offload the gradients are on
     the CPU: the scalar travels to `device`, so NCCL can reduce it."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [g for g in grads if isinstance(g, DTensor)]
@@ -49,7 +49,7 @@ def grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
         local = [local_shard(g) for g in group]
         squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).square().sum().to(device)
         for dim, placement in enumerate(placements):
-            if isinstance(placement, Shard) and mesh.size(dim) > 1:
+            if splits(placement) and mesh.size(dim) > 1:
                 torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
         total += squares
     return total.sqrt()

@@ -1,0 +1,93 @@
+"""Tensor parallelism (`parallel.tensor=N`): each block's attention heads and MLP columns split over N ranks, so one
+rank holds 1/N of a block's projection weights and of the activations between them.
+
+PyTorch's own tensor parallelism (`parallelize_module` with Megatron's plan, as torchtitan's Llama): q, k, v and
+the MLP's gate and up projections column-wise (each rank computes its heads and its slice of the MLP), the attention
+output and down projections row-wise (their partial sums all-reduced into the replicated residual stream). The
+modules keep their local shards as plain tensors between the two (`use_local_output`), so transformers' attention
+runs unchanged on the rank's heads: its `view(..., -1, head_dim)` takes the local head count. Embeddings, norms and
+the head stay replicated over the tensor ranks (FSDP2 shards them over the data ranks): every tensor rank computes
+the same loss, exactly, from the same rows.
+
+The ranks form (data x context x tensor), tensor innermost: the N ranks of a block's split are consecutive (on a
+GPU node, NVLink neighbours), and FSDP2 shards every parameter over the data (and context) ranks on top, its 2-D
+placements (Shard over data, Shard or Replicate over tensor) what DCP saves and reshards on resume.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardlm import ShardlmError
+from shardlm.config import Config, objectives
+
+# Families whose blocks hold q/k/v/o and gate/up/down projections with heads read from `-1` (transformers' Llama
+# attention): tests/test_tensor_parallel.py checks llama against one process; the others share its layer code.
+TENSOR_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
+    """What the config and the launch allow, before any work: N divides the ranks, a next-token objective."""
+    p, n = cfg.parallel, cfg.parallel.tensor
+    if n < 1:
+        raise ShardlmError(f"parallel.tensor={n}: the ranks each block is split over is a whole number >= 1 "
+                           "(1 = no tensor parallelism).")
+    if n == 1:
+        return
+    if device.type == "xla":
+        raise ShardlmError(f"parallel.tensor={n} is not supported on XLA; use parallel.tensor=1 there.")
+    if world_size % (n * p.context):
+        raise ShardlmError(f"parallel.tensor={n} (x parallel.context={p.context}) does not divide the world size "
+                           f"({world_size} ranks): each block is split over {n} consecutive ranks. Launch a multiple "
+                           f"of {n * p.context} ranks, or set parallel.tensor to a divisor of {world_size}.")
+    if objectives.spec(cfg).family != "lm":
+        raise ShardlmError(f"parallel.tensor={n} with train.objective={cfg.train.objective}: tensor parallelism "
+                           "trains the next-token loss (text and examples) only so far; use parallel.tensor=1.")
+    if p.sharding not in ("full", "grad_op"):
+        raise ShardlmError(f"parallel.tensor={n} with parallel.sharding={p.sharding}: FSDP2 shards over the data "
+                           "ranks of a (data x tensor) mesh here; use parallel.sharding=full or grad_op.")
+    for key, value, why in (("lora.r", cfg.lora.r, "adapters are not split yet"),
+                            ("parallel.precision", "fp8" if p.precision == "fp8" else 0, "float8 linears are not "
+                             "split yet"), ("parallel.cpu_offload", p.cpu_offload, "not with split weights yet")):
+        if value:
+            raise ShardlmError(f"parallel.tensor={n} with {key}={value}: {why}; use parallel.tensor=1 for it.")
+
+
+def check_model(hf_cfg: Any, cfg: Config) -> None:
+    """The family has a plan, and N divides what is split: query and key/value heads, the MLP's width."""
+    n = cfg.parallel.tensor
+    if n == 1:
+        return
+    family = getattr(hf_cfg, "model_type", None)
+    if family not in TENSOR_FAMILIES:
+        raise ShardlmError(f"parallel.tensor={n}: model family {family!r} has no tensor-parallel plan here "
+                           f"(families with one: {', '.join(TENSOR_FAMILIES)}); use parallel.tensor=1 and FSDP2 "
+                           "alone (parallel.sharding).")
+    heads = hf_cfg.num_attention_heads
+    split = {"attention heads": heads, "key/value heads": getattr(hf_cfg, "num_key_value_heads", None) or heads,
+             "MLP width (intermediate_size)": hf_cfg.intermediate_size}
+    for what, count in split.items():
+        if count % n:
+            raise ShardlmError(f"parallel.tensor={n} does not divide the model's {what} ({count}): each rank holds "
+                               f"1/{n} of them. Set parallel.tensor to a divisor of {count}.")
+
+
+def block_plan() -> dict[str, Any]:
+    """Megatron's split of one block, as `parallelize_module` takes it (names under the block)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {**{name: ColwiseParallel() for name in COLUMNWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
+
+
+def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
+    """Split each block's projections over the tensor mesh (before FSDP2 shards the result over the data ranks)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for block in blocks:
+        parallelize_module(block, mesh, block_plan())
+

@@ -1,0 +1,95 @@
+"""Tensor parallelism (`parallel.tensor=N`): a block's heads and MLP split over N ranks train what one process
+trains, alone, under FSDP2 (data 2 x tensor 2) and beside context parallelism (context 2 x tensor 2); a run killed
+-9 resumes exactly, and its checkpoint resumes on one process. A tiny Llama (grouped-query attention), fp32, gloo,
+real spawned ranks."""
+
+from pathlib import Path
+
+import pytest
+from faults import fault
+
+from shardlm import ShardlmError
+from shardlm.config import load_config
+from shardlm.distributed import tensor
+from tests.helpers import records, shardlm_cli, tiny
+
+# 32 tokens a row (context 2 splits it without padding); 4 heads and 2 key/value heads, both split by 2
+LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
+         "data.seq_len": 32, "train.batch_size": 4, "train.max_steps": 4, "checkpoint.every": 2,
+         "train.eval_batches": 1, "train.eval_every": 4}
+
+
+def curve(out: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(out)]
+
+
+def assert_same_curve(got: list, want: list, tol: float = 1e-5) -> None:
+    assert [s for s, *_ in got] == [s for s, *_ in want]
+    for (_, loss, norm), (_, loss_1, norm_1) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_1, abs=tol) and norm == pytest.approx(norm_1, rel=tol)
+
+
+def val_loss(out: Path) -> float:
+    return next(r["loss"] for r in records(out, split="val"))
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus, cache_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tp") / "one"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA)])
+    return out
+
+
+def test_tensor_2_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
+    out = tmp_path / "tp2"
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2})], nproc=2)
+    assert "FSDP2 full, mesh (1,) x tensor 2" in proc.stdout, proc.stdout
+    assert_same_curve(curve(out), curve(one_process))
+    assert val_loss(out) == pytest.approx(val_loss(one_process), abs=1e-5)  # both ranks score the same rows
+
+
+def test_data_2_x_tensor_2_resumes_exactly_and_on_one_process(corpus, cache_dir, one_process, tmp_path):
+    """Killed -9 after its step-2 save, resumed on 4 ranks: the uninterrupted curve; that checkpoint (2-D
+    placements: rows over data, heads over tensor) resumed on one process: the same steps 3 and 4 (DCP reshards)."""
+    out, args = tmp_path / "dp2tp2", {**LLAMA, "train.batch_size": 2, "parallel.tensor": 2}
+    killed = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **args), fault("KillAfterSave(2)")], nproc=4,
+                         check=False, timeout=400)
+    assert killed.returncode != 0 and max(s for s, *_ in curve(out)) == 2
+    resumed = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **args)], nproc=4, timeout=400)
+    assert "resumed from" in resumed.stdout and "mesh (2,) x tensor 2" in resumed.stdout
+    assert_same_curve(curve(out), curve(one_process))
+    again = tmp_path / "again"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, again, **LLAMA),
+                 f"checkpoint.resume={out / 'checkpoints' / 'step_000000002'}"])
+    assert_same_curve(curve(again), curve(one_process)[2:])
+
+
+def test_context_2_x_tensor_2_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
+    out = tmp_path / "cp2tp2"
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2,
+                                                                           "parallel.context": 2})],
+                       nproc=4, timeout=400)
+    assert "rows split by context: mesh data 1 x context 2 x tensor 2" in proc.stdout, proc.stdout
+    assert_same_curve(curve(out), curve(one_process))
+
+
+def test_what_tensor_parallelism_cannot_run_is_refused_in_one_line(corpus, cache_dir, tmp_path):
+    from transformers import GPT2Config, LlamaConfig
+
+    cfg = load_config(None, ["parallel.tensor=2"])
+    with pytest.raises(ShardlmError, match=r"model family 'gpt2' has no tensor-parallel plan here \(families with "
+                                           "one: llama, qwen2, qwen3, mistral\\)"):
+        tensor.check_model(GPT2Config(), cfg)
+    with pytest.raises(ShardlmError, match=r"does not divide the model's key/value heads \(1\)"):
+        tensor.check_model(LlamaConfig(num_attention_heads=4, num_key_value_heads=1), cfg)
+    import torch
+
+    for overrides, message in ((["train.objective=dpo"], "trains the next-token loss"),
+                               (["parallel.sharding=hybrid_full"], "use parallel.sharding=full or grad_op"),
+                               (["parallel.cpu_offload=true"], "not with split weights yet")):
+        with pytest.raises(ShardlmError, match=message):
+            tensor.check_plan(load_config(None, ["parallel.tensor=2", *overrides]), 2, torch.device("cpu"))
+    out = tmp_path / "bad"  # the whole path once: a run of 1 process cannot split over 2
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2})], check=False)
+    assert proc.returncode == 2 and not out.exists() and proc.stderr.count("error:") == 1
+    assert "parallel.tensor=2 (x parallel.context=1) does not divide the world size (1 ranks)" in proc.stderr
