@@ -48,6 +48,15 @@ def test_tensor_2_trains_what_one_process_trains(corpus, cache_dir, one_process,
     assert val_loss(out) == pytest.approx(val_loss(one_process), abs=1e-5)  # both ranks score the same rows
 
 
+def test_qwen3_head_norms_are_summed_over_the_tensor_ranks(corpus, cache_dir, tmp_path):
+    """Qwen3 normalizes each head's queries and keys with one weight: each tensor rank holds half the heads, so its
+    gradient is half the sum (without the replicated DTensor weight, the grad norm is off by 3e-4 by step 4)."""
+    qwen3 = {**LLAMA, "model.arch": "qwen3", "checkpoint.every": 0}
+    for name, nproc, extra in (("one", 0, {}), ("tp2", 2, {"parallel.tensor": 2})):
+        shardlm_cli(["train", *tiny(corpus, cache_dir, tmp_path / name, **qwen3, **extra)], nproc=nproc)
+    assert_same_curve(curve(tmp_path / "tp2"), curve(tmp_path / "one"))
+
+
 def test_data_2_x_tensor_2_resumes_exactly_and_on_one_process(corpus, cache_dir, one_process, tmp_path):
     """Killed -9 after its step-2 save, resumed on 4 ranks: the uninterrupted curve; that checkpoint (2-D
     placements: rows over data, heads over tensor) resumed on one process: the same steps 3 and 4 (DCP reshards)."""

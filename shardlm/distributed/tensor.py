@@ -20,15 +20,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_module
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm import ShardlmError
 from shardlm.config import Config, objectives
 
 # Families whose blocks hold q/k/v/o and gate/up/down projections with heads read from `-1` (transformers' Llama
-# attention): tests/test_tensor_parallel.py checks llama against one process; the others share its layer code.
+# attention): tests/test_tensor_parallel.py checks llama and qwen3 (per-head norms) against one process; qwen2 and
+# mistral share llama's layer code. GPT-2 is not among them: its fused q|k|v Conv1D split by heads is a strided
+# shard (each rank's q, k and v columns), which torch's DCP refuses to save ("overlapping chunks", 2.13).
 TENSOR_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3's RMSNorm over each head's features
 
 
 def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
@@ -77,11 +82,13 @@ def check_model(hf_cfg: Any, cfg: Config) -> None:
                                f"1/{n} of them. Set parallel.tensor to a divisor of {count}.")
 
 
-def block_plan() -> dict[str, Any]:
+def block_plan(block: nn.Module) -> dict[str, Any]:
     """Megatron's split of one block, as `parallelize_module` takes it (names under the block)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    return {**{name: ColwiseParallel() for name in COLUMNWISE}, **{name: RowwiseParallel() for name in ROWWISE}}
+    plan: dict[str, Any] = {**{name: ColwiseParallel() for name in COLUMNWISE},
+                            **{name: RowwiseParallel() for name in ROWWISE}}
+    return {**plan, **{name: HeadNorm() for name in HEAD_NORMS if _has(block, name)}}
 
 
 def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
@@ -89,5 +96,27 @@ def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in blocks:
-        parallelize_module(block, mesh, block_plan())
+        parallelize_module(block, mesh, block_plan(block))
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+class HeadNorm(ParallelStyle):
+    """A norm over each head's features (Qwen3's q_norm, k_norm) on the rank's heads: its weight replicated (a
+    DTensor), its input the rank's heads of (batch, seq, heads, head_dim), so the weight's gradient, summed over
+    heads, comes out partial on each rank and FSDP2 sums it over the tensor ranks (a plain weight would keep each
+    rank's own partial sum, and the ranks' weights would drift apart)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, None,  # None: every parameter replicated
+            lambda _m, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Shard(2)], run_check=False)  # type: ignore[arg-type]
+                                           if torch.is_tensor(x) else x for x in inputs),
+            lambda _m, out, _mesh: out.to_local())
 
