@@ -36,16 +36,27 @@ def val_loss(out: Path) -> float:
 @pytest.fixture(scope="module")
 def one_process(corpus, cache_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tp") / "one"
-    shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA)])
+    shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"checkpoint.export_final": True})])
     return out
 
 
-def test_tensor_2_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
+def test_tensor_2_trains_what_one_process_trains_and_exports_it(corpus, cache_dir, one_process, tmp_path):
+    """The curve and the validation loss; the exported folder (the split weights gathered whole) holds one process's
+    weights, and transformers generates the same tokens from both."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "tp2"
-    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2})], nproc=2)
+    proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2,
+                                                                           "checkpoint.export_final": True})], nproc=2)
     assert "FSDP2 full, mesh (1,) x tensor 2" in proc.stdout, proc.stdout
     assert_same_curve(curve(out), curve(one_process))
     assert val_loss(out) == pytest.approx(val_loss(one_process), abs=1e-5)  # both ranks score the same rows
+    split, whole = (AutoModelForCausalLM.from_pretrained(o / "hf") for o in (out, one_process))
+    for (name, a), (_, b) in zip(split.state_dict().items(), whole.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5), name
+    prompt = torch.tensor([[72, 101, 108, 108, 111]])
+    assert torch.equal(*(m.generate(prompt, max_new_tokens=8, do_sample=False) for m in (split, whole)))
 
 
 def test_qwen3_head_norms_are_summed_over_the_tensor_ranks(corpus, cache_dir, tmp_path):

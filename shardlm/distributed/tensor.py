@@ -82,6 +82,23 @@ def check_model(hf_cfg: Any, cfg: Config) -> None:
                                f"1/{n} of them. Set parallel.tensor to a divisor of {count}.")
 
 
+def local_config(hf_cfg: Any, n: int) -> Any:
+    """The config of one tensor rank's blocks: 1/n of the heads (query and key/value) and of the MLP's width, the
+    same head size. A model built from it holds what a rank holds (its embeddings, norms and head whole): what
+    `shardlm estimate` counts and measures a block of."""
+    if n == 1:
+        return hf_cfg
+    import copy
+
+    local = copy.deepcopy(hf_cfg)
+    heads = hf_cfg.num_attention_heads
+    local.head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads
+    local.num_attention_heads = heads // n
+    local.num_key_value_heads = (getattr(hf_cfg, "num_key_value_heads", None) or heads) // n
+    local.intermediate_size = hf_cfg.intermediate_size // n
+    return local
+
+
 def block_plan(block: nn.Module) -> dict[str, Any]:
     """Megatron's split of one block, as `parallelize_module` takes it (names under the block)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel

@@ -29,7 +29,7 @@ import torch
 
 from shardlm.config import Config
 from shardlm.config.checks import ac_mode, wrap_size
-from shardlm.distributed import context
+from shardlm.distributed import context, tensor
 from shardlm.distributed.checkpointing import SelectiveSaved, checkpointed
 from shardlm.distributed.parallelize import DTYPES, STRATEGIES, compile_mode, fsdp_enabled, mesh_shape
 from shardlm.distributed.wrapping import blocks_per_unit, owned_params, size_units
@@ -145,7 +145,11 @@ def _saved_bytes(block: torch.nn.Module, rotary, hf_cfg, dtype: torch.dtype, tok
 
 
 def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int | None = None) -> Estimate:
-    hf_cfg = model_config(cfg, tokenizer)
+    whole_cfg = model_config(cfg, tokenizer)
+    parameters = lora.count(_meta_model(cfg, whole_cfg))[1]
+    # parallel.tensor: a rank's blocks are those of a model with 1/N of the heads and MLP width; counted (and a
+    # block measured) on that model, every term below is per rank
+    hf_cfg = tensor.local_config(whole_cfg, cfg.parallel.tensor)
     meta = _meta_model(cfg, hf_cfg)
     blocks = transformer_blocks(meta)
     trainable, total = lora.count(meta)
@@ -226,15 +230,20 @@ def estimate(cfg: Config, tokenizer, world_size: int = 1, local_world_size: int 
     comp.update(phase)
     comp["batch and framework overhead"] = tokens * 8 * 2 + 16 * 2**20
     peak = sum(comp.values())
-    return Estimate(total, comp, peak, host, terms.notes)
+    return Estimate(parameters, comp, peak, host, terms.notes)
 
 
 def describe(cfg: Config, tokenizer, world_sizes: list[int]) -> str:
     one = lora.quantized(cfg.lora) and cfg.lora.quant_backend == "bitsandbytes"  # auto: each world size its own
     lines = ["QLoRA with bitsandbytes runs in one process on one GPU: estimated for 1 rank"] if one else []
-    for w in [1] if one else world_sizes:
+    split_by = cfg.parallel.context * cfg.parallel.tensor
+    if skipped := [w for w in world_sizes if w % split_by]:
+        lines.append(f"not estimated: {', '.join(map(str, skipped))} rank(s), which parallel.context x parallel.tensor "
+                     f"({split_by}) does not divide")
+    for w in [1] if one else [w for w in world_sizes if not w % split_by]:
         est = estimate(cfg, tokenizer, w)
         split = f", context {cfg.parallel.context}" if cfg.parallel.context > 1 else ""
+        split += f", tensor {cfg.parallel.tensor}" if cfg.parallel.tensor > 1 else ""
         lines.append(f"{cfg.parallel.sharding} x {w} rank(s){split}, batch {cfg.train.batch_size} x seq "
                      f"{cfg.data.seq_len}, "
                      f"{cfg.parallel.precision}, AC {cfg.parallel.activation_checkpointing}, "
