@@ -50,6 +50,15 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
         raise ShardlmError(f"parallel.tensor={n} (x parallel.context={p.context}) does not divide the world size "
                            f"({world_size} ranks): each block is split over {n} consecutive ranks. Launch a multiple "
                            f"of {n * p.context} ranks, or set parallel.tensor to a divisor of {world_size}.")
+    from shardlm.distributed.context import share
+
+    positions = share(cfg.data.seq_len, p.context)  # a rank's part of each row, split again between blocks
+    if positions % n:
+        raise ShardlmError(f"parallel.tensor={n} splits each row's {positions} positions"
+                           + (f" (data.seq_len={cfg.data.seq_len} over parallel.context={p.context})"
+                              if p.context > 1 else "")
+                           + f" between blocks over {n} ranks (sequence parallelism): set data.seq_len to a "
+                           f"multiple of {n * p.context * (2 if p.context > 1 else 1)}.")
     if objectives.spec(cfg).family != "lm":
         raise ShardlmError(f"parallel.tensor={n} with train.objective={cfg.train.objective}: tensor parallelism "
                            "trains the next-token loss (text and examples) only so far; use parallel.tensor=1.")
@@ -100,20 +109,73 @@ def local_config(hf_cfg: Any, n: int) -> Any:
 
 
 def block_plan(block: nn.Module) -> dict[str, Any]:
-    """Megatron's split of one block, as `parallelize_module` takes it (names under the block)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    """Megatron's split of one block with sequence parallelism, as `parallelize_module` takes it (names under the
+    block; torchtitan's Llama plan). Between blocks each rank holds 1/N of the rows' positions (Shard(1)): its norms
+    run on those (their weights replicated DTensors, whose partial gradients FSDP2 sums over the tensor ranks);
+    attention and MLP all-gather their input once (PrepareModuleInput) and hand it to the column-wise projections,
+    and the row-wise ones reduce-scatter their sums back to the positions' shards."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    plan: dict[str, Any] = {**{name: ColwiseParallel() for name in COLUMNWISE},
-                            **{name: RowwiseParallel() for name in ROWWISE}}
+    seq = Shard(1)
+    plan: dict[str, Any] = {
+        "input_layernorm": SequenceParallel(use_local_output=True),
+        "post_attention_layernorm": SequenceParallel(use_local_output=True),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+        **{name: ColwiseParallel() for name in COLUMNWISE},
+        **{name: RowwiseParallel(output_layouts=seq) for name in ROWWISE},
+    }
     return {**plan, **{name: HeadNorm() for name in HEAD_NORMS if _has(block, name)}}
 
 
 def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
-    """Split each block's projections over the tensor mesh (before FSDP2 shards the result over the data ranks)."""
+    """Split each block over the tensor mesh (before FSDP2 shards the result over the data ranks); the first block
+    takes its rank's positions of the hidden states, the last gives them all back (the final norm, head and loss
+    run whole, the same on every tensor rank)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in blocks:
         parallelize_module(block, mesh, block_plan(block))
+    blocks[0].register_forward_pre_hook(_to_positions(mesh), with_kwargs=True)
+    blocks[-1].register_forward_hook(_from_positions(mesh))
+
+
+def _to_positions(mesh: Any):
+    """The hidden states entering the first block, cut to this rank's positions: differentiably (a DTensor
+    redistribution), so the backward all-gathers their gradients and the embeddings get every position's."""
+    from torch.distributed.tensor import Replicate
+
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)]) \
+            .to_local()
+
+    def hook(_m: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (cut(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": cut(kwargs["hidden_states"])}
+
+    return hook
+
+
+def _from_positions(mesh: Any):
+    """The last block's output, all positions again (an all-gather whose backward keeps this rank's share)."""
+    from torch.distributed.tensor import Replicate
+
+    def whole(x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(placements=[Replicate()]) \
+            .to_local()
+
+    def hook(_m: nn.Module, _args: tuple, out: Any) -> Any:
+        return whole(out) if torch.is_tensor(out) else (whole(out[0]), *out[1:])
+
+    return hook
 
 
 def _has(module: nn.Module, name: str) -> bool:
