@@ -106,9 +106,12 @@ def test_what_tensor_parallelism_cannot_run_is_refused_in_one_line(corpus, cache
 
     for overrides, message in ((["train.objective=dpo"], "trains the next-token loss"),
                                (["parallel.sharding=hybrid_full"], "use parallel.sharding=full or grad_op"),
-                               (["parallel.cpu_offload=true"], "not with split weights yet")):
+                               (["parallel.cpu_offload=true"], "not with split weights yet"),
+                               (["data.seq_len=33"], "splits each row's 33 positions between blocks over 2 ranks"),
+                               (["parallel.activation_checkpointing=full"], "Use one of the two")):
         with pytest.raises(ShardlmError, match=message):
-            tensor.check_plan(load_config(None, ["parallel.tensor=2", *overrides]), 2, torch.device("cpu"))
+            tensor.check_plan(load_config(None, ["parallel.tensor=2", *overrides]), 2, torch.device("cpu"),
+                              compiled=True)
     out = tmp_path / "bad"  # the whole path once: a run of 1 process cannot split over 2
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2})], check=False)
     assert proc.returncode == 2 and not out.exists() and proc.stderr.count("error:") == 1

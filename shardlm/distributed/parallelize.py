@@ -81,7 +81,7 @@ def plan(cfg: Config, world_size: int, local_world_size: int, device: torch.devi
         what = "CPU offload" if p.cpu_offload else f"{world_size} ranks"
         raise ShardlmError(f"parallel.fsdp=false cannot run {what}: FSDP2 is the only data-parallel engine. "
                            "Use parallel.fsdp=null (or true) and parallel.sharding=no_shard to replicate.")
-    tensor.check_plan(cfg, world_size, device)
+    tensor.check_plan(cfg, world_size, device, compiled=compile_ != "false")
     shape = mesh_shape(cfg, world_size, local_world_size)
     context.check_plan(cfg, world_size, device)
     warn_once(gpu_config_warning(cfg, device))  # after the refusals: a config that cannot run says only that

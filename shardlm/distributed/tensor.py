@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from shardlm import ShardlmError
 from shardlm.config import Config, objectives
+from shardlm.config.checks import ac_mode
 
 # Families whose blocks hold q/k/v/o and gate/up/down projections with heads read from `-1` (transformers' Llama
 # attention): tests/test_tensor_parallel.py checks llama and qwen3 (per-head norms) against one process; qwen2 and
@@ -36,7 +37,7 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3's RMSNorm over each head's features
 
 
-def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
+def check_plan(cfg: Config, world_size: int, device: torch.device, compiled: bool) -> None:
     """What the config and the launch allow, before any work: N divides the ranks, a next-token objective."""
     p, n = cfg.parallel, cfg.parallel.tensor
     if n < 1:
@@ -65,6 +66,11 @@ def check_plan(cfg: Config, world_size: int, device: torch.device) -> None:
     if p.sharding not in ("full", "grad_op"):
         raise ShardlmError(f"parallel.tensor={n} with parallel.sharding={p.sharding}: FSDP2 shards over the data "
                            "ranks of a (data x tensor) mesh here; use parallel.sharding=full or grad_op.")
+    if compiled and ac_mode(p.activation_checkpointing)[0] != "none":
+        raise ShardlmError(f"parallel.tensor={n} with parallel.compile and parallel.activation_checkpointing="
+                           f"{p.activation_checkpointing} together: torch 2.13 cannot compile a checkpointed block "
+                           "whose weights are split (dynamo saves the split's device mesh with its tensors). Use "
+                           "one of the two: parallel.compile=false, or parallel.activation_checkpointing=none.")
     for key, value, why in (("lora.r", cfg.lora.r, "adapters are not split yet"),
                             ("parallel.precision", "fp8" if p.precision == "fp8" else 0, "float8 linears are not "
                              "split yet"), ("parallel.cpu_offload", p.cpu_offload, "not with split weights yet")):
