@@ -84,6 +84,28 @@ def test_data_2_x_tensor_2_resumes_exactly_and_on_one_process(corpus, cache_dir,
     assert_same_curve(curve(again), curve(one_process)[2:])
 
 
+def test_gpt2_data_2_x_tensor_2_equals_one_process_resumes_and_exports(corpus, cache_dir, tmp_path):
+    """GPT-2's fused q|k|v Conv1D split by heads (a strided shard, stored as a plain one for DCP): 4 ranks train
+    what one process trains, their step-2 checkpoint resumes on one process exactly, and their export holds one
+    process's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gpt2 = {**LLAMA, "model.arch": "gpt2", "checkpoint.export_final": True}
+    del gpt2["model.n_kv_head"]
+    one, four, again = tmp_path / "one", tmp_path / "dp2tp2", tmp_path / "again"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, one, **gpt2)])
+    shardlm_cli(["train", *tiny(corpus, cache_dir, four, **{**gpt2, "train.batch_size": 2, "parallel.tensor": 2})],
+                nproc=4, timeout=400)
+    assert_same_curve(curve(four), curve(one))
+    shardlm_cli(["train", *tiny(corpus, cache_dir, again, **{**gpt2, "checkpoint.export_final": False}),
+                 f"checkpoint.resume={four / 'checkpoints' / 'step_000000002'}"])
+    assert_same_curve(curve(again), curve(one)[2:])
+    split, whole = (AutoModelForCausalLM.from_pretrained(o / "hf") for o in (four, one))
+    for (name, a), (_, b) in zip(split.state_dict().items(), whole.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-4), name
+
+
 def test_context_2_x_tensor_2_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
     out = tmp_path / "cp2tp2"
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2,
@@ -94,12 +116,14 @@ def test_context_2_x_tensor_2_trains_what_one_process_trains(corpus, cache_dir, 
 
 
 def test_what_tensor_parallelism_cannot_run_is_refused_in_one_line(corpus, cache_dir, tmp_path):
-    from transformers import GPT2Config, LlamaConfig
+    from transformers import GPT2Config, LlamaConfig, OPTConfig
 
     cfg = load_config(None, ["parallel.tensor=2"])
-    with pytest.raises(ShardlmError, match=r"model family 'gpt2' has no tensor-parallel plan here \(families with "
-                                           "one: llama, qwen2, qwen3, mistral\\)"):
-        tensor.check_model(GPT2Config(), cfg)
+    with pytest.raises(ShardlmError, match=r"model family 'opt' has no tensor-parallel plan here \(families with "
+                                           "one: gpt2, llama, qwen2, qwen3, mistral\\)"):
+        tensor.check_model(OPTConfig(), cfg)
+    with pytest.raises(ShardlmError, match=r"does not divide the model's attention heads \(25\)"):
+        tensor.check_model(GPT2Config(n_head=25, n_embd=1600), cfg)
     with pytest.raises(ShardlmError, match=r"does not divide the model's key/value heads \(1\)"):
         tensor.check_model(LlamaConfig(num_attention_heads=4, num_key_value_heads=1), cfg)
     import torch

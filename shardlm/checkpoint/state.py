@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shardlm.distributed import xla
+from shardlm.distributed import tensor, xla
 from shardlm.models import lora
 from shardlm.models.state_keys import tied_keys
 
@@ -47,9 +47,10 @@ class ModelState:
         weights = get_model_state_dict(self.model)
         if self.adapters_only:
             return lora.adapter_state(weights)
-        return {k: v for k, v in weights.items() if k not in self.tied or self.tied[k] not in weights}
+        return tensor.storable({k: v for k, v in weights.items() if k not in self.tied or self.tied[k] not in weights})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = tensor.restored(state, get_model_state_dict(self.model))
         state = {**{alias: state[key] for alias, key in self.tied.items() if key in state}, **state}
         set_model_state_dict(self.model, state, options=StateDictOptions(strict=not self.adapters_only))
 
@@ -61,12 +62,13 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return tensor.storable(get_optimizer_state_dict(self.model, self.optimizer))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The moments and step come back; the hyperparameters stay this run's. Loaded after the model (DCP's
         parts load in order), so on XLA both are resharded here."""
         configured = hyperparameters(self.optimizer)
+        state = tensor.restored(state, get_optimizer_state_dict(self.model, self.optimizer))
         set_optimizer_state_dict(self.model, self.optimizer, state)
         for group, values in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(values)

@@ -29,9 +29,8 @@ from shardlm.config.checks import ac_mode
 
 # Families whose blocks hold q/k/v/o and gate/up/down projections with heads read from `-1` (transformers' Llama
 # attention): tests/test_tensor_parallel.py checks llama and qwen3 (per-head norms) against one process; qwen2 and
-# mistral share llama's layer code. GPT-2 is not among them: its fused q|k|v Conv1D split by heads is a strided
-# shard (each rank's q, k and v columns), which torch's DCP refuses to save ("overlapping chunks", 2.13).
-TENSOR_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# mistral share llama's layer code. GPT-2 has a plan of its own (GPT2_PLAN): HF's Conv1D layers, q|k|v fused.
+TENSOR_FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 HEAD_NORMS = ("self_attn.q_norm", "self_attn.k_norm")  # Qwen3's RMSNorm over each head's features
@@ -89,8 +88,10 @@ def check_model(hf_cfg: Any, cfg: Config) -> None:
                            f"(families with one: {', '.join(TENSOR_FAMILIES)}); use parallel.tensor=1 and FSDP2 "
                            "alone (parallel.sharding).")
     heads = hf_cfg.num_attention_heads
+    width = (getattr(hf_cfg, "n_inner", None) or 4 * hf_cfg.hidden_size) if family == "gpt2" else \
+        hf_cfg.intermediate_size
     split = {"attention heads": heads, "key/value heads": getattr(hf_cfg, "num_key_value_heads", None) or heads,
-             "MLP width (intermediate_size)": hf_cfg.intermediate_size}
+             "MLP width (intermediate_size)": width}
     for what, count in split.items():
         if count % n:
             raise ShardlmError(f"parallel.tensor={n} does not divide the model's {what} ({count}): each rank holds "
@@ -107,6 +108,10 @@ def local_config(hf_cfg: Any, n: int) -> Any:
 
     local = copy.deepcopy(hf_cfg)
     heads = hf_cfg.num_attention_heads
+    if hf_cfg.model_type == "gpt2":  # heads of width n_embd / n_head: n_embd itself is the residual stream's
+        raise ShardlmError("shardlm estimate does not count GPT-2 under parallel.tensor yet; estimate it with "
+                           "parallel.tensor=1 (an upper bound: the split divides the blocks' weights and "
+                           "activations).")
     local.head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads
     local.num_attention_heads = heads // n
     local.num_key_value_heads = (getattr(hf_cfg, "num_key_value_heads", None) or heads) // n
@@ -141,6 +146,21 @@ def block_plan(block: nn.Module) -> dict[str, Any]:
     return {**plan, **{name: HeadNorm() for name in HEAD_NORMS if _has(block, name)}}
 
 
+def gpt2_plan() -> dict[str, Any]:
+    """GPT-2's block as Llama's (sequence parallel between blocks), on HF's Conv1D layers: c_attn and c_fc split by
+    output columns, the two c_proj by input rows. c_attn holds q|k|v side by side: a rank's columns are its heads of
+    each, a strided shard (`Conv1DColwise(fused=3)`)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    seq = Shard(1)
+    return {"ln_1": SequenceParallel(use_local_output=True), "ln_2": SequenceParallel(use_local_output=True),
+            **{name: PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+               for name in ("attn", "mlp")},
+            "attn.c_attn": Conv1DColwise(fused=3), "mlp.c_fc": Conv1DColwise(),
+            "attn.c_proj": Conv1DRowwise(), "mlp.c_proj": Conv1DRowwise()}
+
+
 def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
     """Split each block over the tensor mesh (before FSDP2 shards the result over the data ranks); the first block
     takes its rank's positions of the hidden states, the last gives them all back (the final norm, head and loss
@@ -148,7 +168,13 @@ def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     for block in blocks:
-        parallelize_module(block, mesh, block_plan(block))
+        if hasattr(block, "attn") and hasattr(block.attn, "c_attn"):  # GPT-2
+            check_strided_shards(mesh)
+            parallelize_module(block, mesh, gpt2_plan())
+            attn: Any = block.attn
+            attn.split_size //= mesh.size()  # its q, k, v: each the rank's heads
+        else:
+            parallelize_module(block, mesh, block_plan(block))
     blocks[0].register_forward_pre_hook(_to_positions(mesh), with_kwargs=True)
     blocks[-1].register_forward_hook(_from_positions(mesh))
 
@@ -190,6 +216,141 @@ def _has(module: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+class Conv1DColwise(ParallelStyle):
+    """HF's Conv1D (`y = x @ W + b`, W of in x out) split by output columns, computed on the rank's shards as plain
+    tensors (no DTensor op runs, so no sharding rule of this torch is relied on). Its input arrives replicated (a
+    DTensor from PrepareModuleInput); the gradient it returns is this rank's partial sum, marked Partial, which
+    PrepareModuleInput's backward reduce-scatters. `fused` parts side by side (q|k|v) are split each: the weight's
+    placement is then a strided shard, and the bias stays whole on every rank (FSDP2's own split of a 1-D strided
+    shard would not compose with it), each rank adding its slices and its gradient marked partial."""
+
+    def __init__(self, fused: int = 1):
+        super().__init__()
+        self.fused = fused
+
+    def _apply(self, module: Any, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        fused, n, rank = self.fused, device_mesh.size(), device_mesh.get_local_rank()
+        weight = _StridedShard(1, split_factor=fused) if fused > 1 else Shard(1)
+        for name, placement in (("weight", weight), ("bias", Replicate() if fused > 1 else Shard(0))):
+            param = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
+                                                         requires_grad=param.requires_grad))
+
+        def forward(x: Any) -> torch.Tensor:
+            local = x.to_local(grad_placements=[Partial()]) if isinstance(x, DTensor) else x
+            if fused > 1:
+                whole = module.bias.to_local(grad_placements=[Partial()])
+                bias = torch.cat([part.chunk(n)[rank] for part in whole.chunk(fused)])
+            else:
+                bias = module.bias.to_local()
+            out = torch.addmm(bias, local.reshape(-1, local.size(-1)), module.weight.to_local())
+            return out.view(*local.shape[:-1], -1)
+
+        module.forward = forward
+        return module
+
+
+class Conv1DRowwise(ParallelStyle):
+    """HF's Conv1D split by input rows: the rank's features times its rows of W, partial sums reduce-scattered to
+    the rank's positions (sequence parallelism), then the bias (replicated; its gradient, summed over the rank's
+    positions only, is marked Partial for FSDP2 to sum over the tensor ranks)."""
+
+    def _apply(self, module: Any, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Partial, Replicate, distribute_tensor
+
+        for name, placement in (("weight", Shard(0)), ("bias", Replicate())):
+            param = getattr(module, name)
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [placement]),
+                                                         requires_grad=param.requires_grad))
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            partial = (x.reshape(-1, x.size(-1)) @ module.weight.to_local()).view(*x.shape[:-1], -1)
+            out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False) \
+                .redistribute(placements=[Shard(1)]).to_local()
+            return out + module.bias.to_local(grad_placements=[Partial()])
+
+        module.forward = forward
+        return module
+
+
+def check_strided_shards(mesh: Any) -> None:
+    """GPT-2's fused q|k|v is a strided shard: checked once that this torch moves one to a plain shard and back
+    (what checkpoints do, shardlm.checkpoint.state) with the right values, collectively on the tensor ranks."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    n = mesh.size()
+    whole = torch.arange(2 * 3 * n, dtype=torch.float32).view(2, 3 * n)
+    strided = distribute_tensor(whole, mesh, [_StridedShard(1, split_factor=3)])
+    mine = torch.cat([part.chunk(n, 1)[mesh.get_local_rank()] for part in whole.chunk(3, 1)], 1)
+    there_and_back = strided.redistribute(placements=[Shard(1)]).redistribute(
+        placements=[_StridedShard(1, split_factor=3)])
+    if not (torch.equal(strided.to_local(), mine) and torch.equal(there_and_back.to_local(), mine)):
+        raise ShardlmError(f"GPT-2 under parallel.tensor needs DTensor's strided shards, which torch "
+                           f"{torch.__version__} does not place or move right (2.13 is tested): use a newer torch, "
+                           "or parallel.tensor=1.")
+
+
+def _strided(t: Any) -> bool:
+    """A DTensor split by tensor parallelism as a strided shard (GPT-2's q|k|v): past mesh dim 0, FSDP2's own."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements[1:])
+
+
+def storable(state: Any) -> Any:
+    """A (nested) state dict as DCP can save it: each strided shard moved to a plain shard of the same dim (DCP
+    refuses strided ones: "overlapping chunks"). `restored` moves them back after a load."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(state, dict):
+        return {k: storable(v) for k, v in state.items()}
+    if _strided(state):
+        placements = state.placements
+        return state.redistribute(placements=[placements[0], *(
+            Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements[1:])])
+    return state
+
+
+def restored(state: Any, like: Any) -> Any:
+    """`state` (loaded into `storable`'s layout) with each tensor placed as its counterpart in `like` again."""
+    if isinstance(state, dict) and isinstance(like, dict):
+        return {k: restored(v, like[k]) if k in like else v for k, v in state.items()}
+    if _strided(like) and isinstance(state, DTensor) and state.placements != like.placements:
+        return state.redistribute(placements=like.placements)
+    return state
+
+
+def strided_keys(model: nn.Module) -> list[str]:
+    """The state-dict keys of the parameters split as strided shards (GPT-2's q|k|v under parallel.tensor)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return [k for k, v in get_model_state_dict(model).items() if _strided(v)]
+
+
+def place_strided(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Rank 0's whole weights (`full`, empty elsewhere) into the strided shards, which torch's full-state-dict
+    loading slices as if they were plain ones (each rank would get columns of other heads): broadcast whole, then
+    each rank takes its piece (a replicated DTensor redistributed to the parameter's placements: a local slice)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.tensor import Replicate
+
+    params: dict[str, Any] = dict(get_model_state_dict(model))
+    for key, param in params.items():
+        if _strided(param):
+            whole = full[key].to(param.device, param.dtype) if key in full else \
+                torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            torch.distributed.broadcast(whole, src=0)
+            mesh = param.device_mesh
+            mine = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False) \
+                .redistribute(placements=param.placements).to_local()
+            with torch.no_grad():
+                param.to_local().copy_(mine)
 
 
 class HeadNorm(ParallelStyle):

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardlm.config import Config
 from shardlm.data import Split
-from shardlm.distributed import context
+from shardlm.distributed import context, tensor
 from shardlm.distributed import process_group as dist_mod
 from shardlm.distributed.parallelize import Plan, parallelize, plan
 from shardlm.distributed.process_group import Dist
@@ -74,8 +74,14 @@ def materialize(model: CausalLM, cfg: Config, hf_cfg, dist: Dist, weights: Weigh
     reference = (weights() if weights else _initial_hf(cfg, hf_cfg)) if dist.is_main else None
     full = from_hf(reference.state_dict()) if reference is not None else {}
     four_bit = nf4.split_off(model, full)  # QLoRA (torchao): its 4-bit weights load apart, quantized whole on rank 0
+    # GPT-2's q|k|v split by heads (a strided shard): torch's loading slices it as a plain one (2.13) or fails
+    # (2.9), so it is placed on its own
+    keys = tensor.strided_keys(model) if cfg.parallel.tensor > 1 else []
+    strided = {k: full.pop(k) for k in keys if k in full}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                               strict=not four_bit))
+                                                               strict=not four_bit and not keys))
+    if keys:
+        tensor.place_strided(model, strided)
     nf4.load_sharded(model, four_bit, dist)
     for name, buf in model.named_buffers():  # non-persistent buffers (e.g. rotary tables) are not in the dict
         if not is_hf(name):  # shardlm's own (a router's statistics): they start at zero
