@@ -1,5 +1,6 @@
 """Tensor parallelism (`parallel.tensor=N`): each block's attention heads and MLP columns split over N ranks, so one
-rank holds 1/N of a block's projection weights and of the activations between them.
+rank holds 1/N of a block's projection weights and of the activations between them (and, between blocks, 1/N of
+the positions: sequence parallelism).
 
 PyTorch's own tensor parallelism (`parallelize_module` with Megatron's plan, as torchtitan's Llama): q, k, v and
 the MLP's gate and up projections column-wise (each rank computes its heads and its slice of the MLP), the attention
