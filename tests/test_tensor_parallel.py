@@ -106,6 +106,30 @@ def test_gpt2_data_2_x_tensor_2_equals_one_process_resumes_and_exports(corpus, c
         assert torch.allclose(a, b, atol=1e-4), name
 
 
+def test_lora_under_tensor_2_trains_resumes_and_exports_as_one_process(cache_dir, corpus, tmp_path):
+    """Adapters split with their base layers (B column-wise beside a column-wise base, A row-wise beside a row-wise
+    one; the other replicated) and the frozen norms kept frozen (torch's sequence-parallel norms come back
+    trainable): the curve, the merged export and a resume of the split run's checkpoint on one process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import save_lora_base
+
+    base = save_lora_base(tmp_path / "base", "llama", seed=0)
+    lora = {k: v for k, v in LLAMA.items() if not k.startswith("model.")} | {
+        "model.name": base, "model.tokenizer": "bytes", "lora.r": 4, "checkpoint.export_final": True}
+    one, split, again = tmp_path / "one", tmp_path / "tp2", tmp_path / "again"
+    shardlm_cli(["train", *tiny(corpus, cache_dir, one, **lora)])
+    shardlm_cli(["train", *tiny(corpus, cache_dir, split, **lora, **{"parallel.tensor": 2})], nproc=2)
+    assert_same_curve(curve(split), curve(one))
+    merged, whole = (AutoModelForCausalLM.from_pretrained(o / "hf") for o in (split, one))
+    for (name, a), (_, b) in zip(merged.state_dict().items(), whole.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=1e-5), name
+    shardlm_cli(["train", *tiny(corpus, cache_dir, again, **{**lora, "checkpoint.export_final": False}),
+                 f"checkpoint.resume={split / 'checkpoints' / 'step_000000002'}"])
+    assert_same_curve(curve(again), curve(one)[2:])
+
+
 def test_context_2_x_tensor_2_trains_what_one_process_trains(corpus, cache_dir, one_process, tmp_path):
     out = tmp_path / "cp2tp2"
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.tensor": 2,

@@ -71,7 +71,7 @@ def check_plan(cfg: Config, world_size: int, device: torch.device, compiled: boo
                            f"{p.activation_checkpointing} together: torch 2.13 cannot compile a checkpointed block "
                            "whose weights are split (dynamo saves the split's device mesh with its tensors). Use "
                            "one of the two: parallel.compile=false, or parallel.activation_checkpointing=none.")
-    for key, value, why in (("lora.r", cfg.lora.r, "adapters are not split yet"),
+    for key, value, why in (("lora.quantize", cfg.lora.quantize if cfg.lora.r else None, "4-bit bases are not split"),
                             ("parallel.precision", "fp8" if p.precision == "fp8" else 0, "float8 linears are not "
                              "split yet"), ("parallel.cpu_offload", p.cpu_offload, "not with split weights yet")):
         if value:
@@ -88,6 +88,9 @@ def check_model(hf_cfg: Any, cfg: Config) -> None:
         raise ShardlmError(f"parallel.tensor={n}: model family {family!r} has no tensor-parallel plan here "
                            f"(families with one: {', '.join(TENSOR_FAMILIES)}); use parallel.tensor=1 and FSDP2 "
                            "alone (parallel.sharding).")
+    if family == "gpt2" and cfg.lora.r:
+        raise ShardlmError(f"parallel.tensor={n} with lora.r={cfg.lora.r} on GPT-2: its Conv1D split takes no "
+                           "adapters yet (Llama, Qwen and Mistral bases do); use parallel.tensor=1 for GPT-2 LoRA.")
     heads = hf_cfg.num_attention_heads
     width = (getattr(hf_cfg, "n_inner", None) or 4 * hf_cfg.hidden_size) if family == "gpt2" else \
         hf_cfg.intermediate_size
@@ -141,10 +144,26 @@ def block_plan(block: nn.Module) -> dict[str, Any]:
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": seq},
                                         desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        **{name: ColwiseParallel() for name in COLUMNWISE},
-        **{name: RowwiseParallel(output_layouts=seq) for name in ROWWISE},
     }
+    for name in COLUMNWISE:
+        plan |= _with_adapters(block, name, ColwiseParallel(), Replicated(), ColwiseParallel())
+    for name in ROWWISE:
+        plan |= _with_adapters(block, name, RowwiseParallel(output_layouts=seq),
+                               RowwiseParallel(output_layouts=seq), SequenceParallel(use_local_output=True))
     return {**plan, **{name: HeadNorm() for name in HEAD_NORMS if _has(block, name)}}
+
+
+def _with_adapters(block: nn.Module, name: str, base: Any, lora_a: Any, lora_b: Any) -> dict[str, Any]:
+    """The projection's style, or under LoRA (PEFT's wrapper: base_layer, lora_A, lora_B) the base layer's and its
+    adapters', split so their sum is the base's layout. Column-wise base: A (in x r) replicated on the replicated
+    input, B split by output columns like the base. Row-wise base: A split by input features like the base, its
+    partial sums reduce-scattered to the rank's positions, B (r x out) replicated on them. Whichever adapter is
+    replicated gets partial gradients (each rank's share), which FSDP2 sums over the tensor ranks."""
+    if not _has(block, f"{name}.base_layer"):
+        return {name: base}
+    adapters = [a for a, _ in block.get_submodule(f"{name}.lora_A").named_children()]
+    return {f"{name}.base_layer": base, **{f"{name}.lora_A.{a}": lora_a for a in adapters},
+            **{f"{name}.lora_B.{a}": lora_b for a in adapters}}
 
 
 def gpt2_plan() -> dict[str, Any]:
@@ -166,18 +185,27 @@ def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
     """Split each block over the tensor mesh (before FSDP2 shards the result over the data ranks); the first block
     takes its rank's positions of the hidden states, the last gives them all back (the final norm, head and loss
     run whole, the same on every tensor rank)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     for block in blocks:
-        if hasattr(block, "attn") and hasattr(block.attn, "c_attn"):  # GPT-2
-            check_strided_shards(mesh)
-            parallelize_module(block, mesh, gpt2_plan())
-            attn: Any = block.attn
-            attn.split_size //= mesh.size()  # its q, k, v: each the rank's heads
-        else:
-            parallelize_module(block, mesh, block_plan(block))
+        # torch's SequenceParallel and distribute_module register new parameters, trainable: LoRA's frozen norms
+        # would train (checked: the norms of a LoRA run had gradients)
+        frozen = {name for name, p in block.named_parameters() if not p.requires_grad}
+        _split_block(block, mesh)
+        for name, p in block.named_parameters():
+            p.requires_grad_(name not in frozen)
     blocks[0].register_forward_pre_hook(_to_positions(mesh), with_kwargs=True)
     blocks[-1].register_forward_hook(_from_positions(mesh))
+
+
+def _split_block(block: nn.Module, mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if hasattr(block, "attn") and hasattr(block.attn, "c_attn"):  # GPT-2
+        check_strided_shards(mesh)
+        parallelize_module(block, mesh, gpt2_plan())
+        attn: Any = block.attn
+        attn.split_size //= mesh.size()  # its q, k, v: each the rank's heads
+    else:
+        parallelize_module(block, mesh, block_plan(block))
 
 
 def _to_positions(mesh: Any):
@@ -352,6 +380,14 @@ def place_strided(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
                 .redistribute(placements=param.placements).to_local()
             with torch.no_grad():
                 param.to_local().copy_(mine)
+
+
+class Replicated(ParallelStyle):
+    """A layer whose weights every tensor rank holds whole (replicated DTensors), run on DTensors as they come: a
+    column-wise LoRA base's A, on the replicated input."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return distribute_module(module, device_mesh)
 
 
 class HeadNorm(ParallelStyle):
