@@ -73,3 +73,27 @@ def test_search_stays_within_the_per_rank_batch(corpus, cache_dir, tmp_path, mon
     assert (tuned["batch_size"], tuned["grad_accum"]) == chosen
     assert table_rows(table)[("none", "1024")] == (">=4 (cap)" if capped else "8", *chosen)
     assert ("--max-batch (4), below the per-rank batch (12)" in table) == capped
+
+
+def test_tune_splits_the_blocks_when_no_setting_fits_the_per_rank_batch(corpus, cache_dir, tmp_path, monkeypatch):
+    """On 2 ranks, trials faked: without tensor parallelism a micro-batch fits up to 3 blocks (the per-rank batch is
+    12); split over 2 ranks, which then read 24 blocks together, 24 fit. Tune tries the split only then, keeps the
+    global batch (2 x 12 = 1 x 24) and writes it."""
+    import shardlm.distributed.process_group as process_group
+
+    def fake_trial(cfg, steps, budget):
+        t, split = cfg.train, cfg.parallel.tensor
+        ok = t.batch_size <= (24 if split == 2 else 3) and cfg.parallel.activation_checkpointing == "none"
+        return ok, t.batch_size / 100, 1000.0 * t.batch_size * ok
+
+    monkeypatch.setattr(shardlm.preflight.tune, "run_trial", fake_trial)
+    two_ranks = process_group.LaunchInfo("torchrun", 0, 2, 0, 2)
+    monkeypatch.setattr(process_group, "detect_launch", lambda launcher: two_ranks)
+    cfg = load_config([], tiny(corpus, cache_dir, tmp_path / "run", **{"train.batch_size": 12,
+                                                                       "model.arch": "llama"}))
+    points = tune(cfg, 1.0, 1, 256)
+    assert {p.tensor for p in points} == {1, 2} and all(p.tensor == 1 for p in points[:-3])
+    table = report(points, tmp_path / "tuned.yaml")
+    assert "full+tp2" in table and "N times the blocks per rank" in table
+    tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    assert tuned["parallel"]["tensor"] == 2 and (tuned["train"]["batch_size"], tuned["train"]["grad_accum"]) == (24, 1)

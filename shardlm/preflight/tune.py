@@ -51,6 +51,7 @@ class Point:
     cap: int = 0  # the search goes no higher: min(per_rank_batch, --max-batch)
     world_size: int = 1
     context: int = 1  # parallel.context: ranks that split each row (they share one micro-batch)
+    tensor: int = 1  # parallel.tensor of the setting: its ranks share one micro-batch too
 
     @property
     def grad_accum(self) -> int:
@@ -169,9 +170,11 @@ def divisors_down(n: int, most: int) -> list[int]:
 
 def search(cfg: Config, setting: dict, budget: float | None, steps: int, max_batch: int, world_size: int,
            log) -> Point:
-    per_rank = cfg.train.batch_size * cfg.train.grad_accum
+    # a tensor-parallel setting's N ranks read one data index's rows: N times the rows each, the same global batch
+    tensor = int(setting.get("parallel.tensor", cfg.parallel.tensor))
+    per_rank = cfg.train.batch_size * cfg.train.grad_accum * tensor // cfg.parallel.tensor
     point = Point(setting, per_rank_batch=per_rank, cap=min(max_batch, per_rank), world_size=world_size,
-                  context=cfg.parallel.context)
+                  context=cfg.parallel.context, tensor=tensor)
     measured: dict[tuple[int, int], tuple[float, float]] = {}
 
     def fits(batch: int, accum: int = 1) -> tuple[bool, float]:
@@ -213,6 +216,36 @@ def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 
                 points.append(search(cfg, setting, budget, steps, max_batch, info.world_size, log))
                 if points[-1].micro_batch == per_rank:  # the whole per-rank batch in one micro-batch
                     break
+        if not any(p.micro_batch == p.per_rank_batch for p in points):  # memory demands more: split the blocks
+            points += split_blocks(cfg, budget, steps, max_batch, info.world_size, on_gpu, log)
+    return points
+
+
+def tensor_degrees(cfg: Config, world_size: int) -> list[int]:
+    """The parallel.tensor values tune tries when no setting fits the per-rank batch whole: 2, 4, 8 where they
+    divide the ranks (with parallel.context), and only for a config that does not split its blocks already."""
+    if cfg.parallel.tensor != 1:
+        return []
+    return [n for n in (2, 4, 8) if world_size % (n * cfg.parallel.context) == 0]
+
+
+def split_blocks(cfg: Config, budget: float | None, steps: int, max_batch: int, world_size: int, on_gpu: bool,
+                 log) -> list[Point]:
+    """`full` sharding with each tensor degree, up the activation checkpointing ladder as above. A degree the
+    model or config cannot take (its family, its heads) is skipped with its one-line reason."""
+    points: list[Point] = []
+    for n in tensor_degrees(cfg, world_size):
+        for ac in ac_ladder(on_gpu):
+            setting = {**settings_grid(cfg, 1, on_gpu)[0], "parallel.sharding": "full",
+                       "parallel.activation_checkpointing": ac, "parallel.tensor": n}
+            log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
+            try:
+                points.append(search(cfg, setting, budget, steps, max_batch, world_size, log))
+            except ShardlmError as e:
+                log(f"  parallel.tensor={n} skipped: {e}")
+                break
+            if points[-1].micro_batch == points[-1].per_rank_batch:
+                break
     return points
 
 
@@ -220,7 +253,8 @@ def _row(p: Point) -> str:
     s = p.setting
     fit = f">={p.max_batch} (cap)" if p.capped else str(p.max_batch or "none")
     chosen = f"{p.micro_batch} x {p.grad_accum}" if p.micro_batch else "-"
-    return (f"{s['parallel.sharding']!s:<9} {str(s['parallel.activation_checkpointing']):<9} "
+    sharding = f"{s['parallel.sharding']}" + (f"+tp{p.tensor}" if p.tensor > 1 else "")
+    return (f"{sharding:<9} {str(s['parallel.activation_checkpointing']):<9} "
             f"{s['train.loss_chunk_size']!s:>5} {s['parallel.precision']!s:<5} {str(s['parallel.cpu_offload']):<7} "
             f"{fit:>12} {chosen:>13} {p.tokens_per_s:>9.0f} {p.peak_gb:>8.2f}")
 
@@ -264,6 +298,8 @@ def report(points: list[Point], out: Path) -> str:
     best = max(feasible, key=lambda p: p.tokens_per_s)
     _write(best, out)
     rows += ["", *_notes(first),
+             *(["+tpN: each block split over N ranks (parallel.tensor=N), which read the same rows: N times the "
+                "blocks per rank, the same global batch"] if any(p.tensor > 1 for p in points) else []),
              f"best: {best.tokens_per_s:.0f} tokens/s at micro-batch {best.micro_batch} x grad_accum "
              f"{best.grad_accum}; written to {out}", f"use it: shardlm train CONFIG {out}"]
     return "\n".join(rows)
