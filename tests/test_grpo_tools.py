@@ -298,6 +298,11 @@ CALC = '''class Calc:
 
     def get_reward(self) -> float:
         return float(self.calls == 1)
+
+
+def called(completions, environments, **kwargs):
+    """A reward naming its environments (checked before training as it runs: with them)."""
+    return [float(e.calls > 0) for e in environments]
 '''
 
 
@@ -327,6 +332,7 @@ def test_episodes_that_call_tools_train_on_two_ranks_as_in_one_process_and_resum
             "model.name": model, "train.objective": "grpo", "grpo.group": 4, "grpo.max_completion_length": 140,
             "train.batch_size": 4, "train.grad_accum": 2 if nproc < 2 else 1, "train.max_steps": 4,
             "data.seq_len": 256, "data.val_fraction": 0.12, "grpo.environment_factory": f"{tmp_path / 'calc.py'}:Calc",
+            "grpo.rewards": f"[{tmp_path / 'calc.py'}:called]",
             "train.lr": 1e-2, "train.warmup_steps": 0, "checkpoint.every": 2})]
 
     shardlm_cli(args("one", 0), cwd=tmp_path)
@@ -336,7 +342,7 @@ def test_episodes_that_call_tools_train_on_two_ranks_as_in_one_process_and_resum
     first = records(one)[0]
     assert first["tools/call_frequency"] == records(two)[0]["tools/call_frequency"] > 0.5
     assert first["tools/turns"] > 1.2 and first["completions/mean_length"] < 100  # the tool turns are not counted
-    assert 0 < first["rewards/Calc/mean"] <= 1
+    assert 0 < first["rewards/Calc/mean"] <= 1 and 0 < first["rewards/called/mean"] <= 1
     killed = args("killed", 0)
     assert shardlm_cli([*killed, fault("KillAfterSave(2)")], check=False, cwd=tmp_path).returncode != 0
     shardlm_cli(killed, cwd=tmp_path)

@@ -56,7 +56,7 @@ def probe_rewards(cfg: Config, rows: PromptRows, tokenizer: Any = None) -> list[
     `answer` (or 'x') and the empty completion a model may sample. A module that does not import, a signature that
     does not take the call, a field the data lacks, a raise, a wrong count, NaN or a wrong type then stop the run
     before the model is loaded, not at its first step. The lines say what each returned (the dry run's)."""
-    box = load_toolbox(cfg.grpo, tokenizer) if tokenizer is not None else None
+    box = load_toolbox(cfg.grpo, tokenizer)  # its environments reach the rewards, which may name the parameter
     rewards = with_environment_reward(load_rewards(cfg.grpo, tool_fields(rows.field_names, box)), box)
     if not len(rows):
         return []

@@ -98,7 +98,8 @@ def env_tools(factory: type) -> list[str]:
 
 
 def load_toolbox(g: GrpoConfig, tok) -> Toolbox | None:
-    """The run's tools (None when it has none); the template must render tool calls in a format read here."""
+    """The run's tools (None when it has none); the template must render tool calls in a format read here (`tok`
+    None: not asked, for a caller that runs no episode)."""
     if g.rollout_func:
         return Toolbox({}, None, [], "", 0, 0.0, rollout=import_named(g.rollout_func, "rollout function",
                                                                     "grpo.rollout_func"), rollout_name=g.rollout_func)
@@ -123,7 +124,8 @@ def load_toolbox(g: GrpoConfig, tok) -> Toolbox | None:
         raise ShardlmError(f"grpo.environment_factory '{g.environment_factory}' has no public method besides reset "
                            "and get_reward, and grpo.tools is empty: the model would have nothing to call.")
     iterations = g.max_tool_calling_iterations
-    return Toolbox(functions, factory, schemas, tool_format(tok), 1 << 30 if iterations is None else iterations,
+    fmt = tool_format(tok) if tok is not None else ""  # None: the pre-run reward probe, which parses no call
+    return Toolbox(functions, factory, schemas, fmt, 1 << 30 if iterations is None else iterations,
                    g.tool_timeout, methods)
 
 
