@@ -130,14 +130,15 @@ def shardlm(*args: str) -> str:
     return proc.stdout
 
 
-def emit(out: dict, path: str | None) -> None:
-    """Print a result as JSON, and write the same text to `path` when one is given (--out)."""
+def emit(out: dict, path: str | None, compact: bool = False) -> None:
+    """Print a result as JSON, and write it indented to `path` when one is given (--out). `compact`: printed as one
+    line, the last of the output (what a script that runs another reads)."""
     import json
 
     text = json.dumps(out, indent=1)
-    print(text)
     if path:
         Path(path).write_text(text + "\n")
+    print(json.dumps(out, separators=(",", ":")) if compact else text)
 
 
 def children_cpu_s() -> float:

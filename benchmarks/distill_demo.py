@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, children_cpu_s, cpu_name, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, emit, shardlm, sign_test
 from grpo_demo import answers, greedy, rate
 
 from shardlm.config import load_config
@@ -161,9 +161,7 @@ def main() -> None:
                    f"arm {steps} student steps from random weights (on_policy: {steps // 2} of sft on the labels, "
                    "the warm arm, then the rest on its own samples); the sign tests pool the seeds' prompts against "
                    "sft's; spread = max - min over the seeds"}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, separators=(",", ":")))
+    emit(out, args.out, compact=True)
 
 
 if __name__ == "__main__":

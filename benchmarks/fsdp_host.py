@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="key=value for every variant")
     args = ap.parse_args()
     import torch
-    from common import cpu_name
+    from common import cpu_name, emit
 
     with tempfile.TemporaryDirectory(prefix="shardlm-fsdp-host-") as tmp:
         rows = {name: measure(name, Path(tmp), args) for name in args.variants.split(",")}
@@ -113,9 +113,7 @@ def main() -> None:
            "note": "ms_per_step from metrics.jsonl time_s; profiled_ms_per_step: torch.profiler's inclusive CPU time "
                    "of each FSDP:: range (nested ranges overlap) and of Optimizer.step, per step, rank 0, 20 steps "
                    "(the profiler's own overhead inflates them; compare phases, not the sum, with ms_per_step)"}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, separators=(",", ":")))
+    emit(out, args.out, compact=True)
 
 
 if __name__ == "__main__":

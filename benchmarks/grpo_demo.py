@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, children_cpu_s, cpu_name, exact_rate, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, emit, exact_rate, shardlm, sign_test
 
 from shardlm.config import load_config
 
@@ -217,9 +217,7 @@ def main() -> None:
                    "pretrained base, after = GRPO's export, control = the base pretrained on for the GRPO run's CPU "
                    "seconds at the pretraining's final learning rate; base_pass_at_k: 16 samples a prompt at "
                    "temperature 1"}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, separators=(",", ":")))
+    emit(out, args.out, compact=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def main() -> None:
         print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), **row}), flush=True)
         return
     import torch
+    from common import emit
 
     rows = {}
     with tempfile.TemporaryDirectory(prefix="shardlm-tp-memory-") as tmp:
@@ -106,9 +107,7 @@ def main() -> None:
            "machine": {"device": "cpu (gloo)", "cores": os.cpu_count(), "torch": torch.__version__},
            "note": "rank 0's counts over one step: parameters and optimizer state are the local shards' bytes; "
                    "activations are the storages autograd saved for the backward (each once, weights excluded)"}
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, separators=(",", ":")))
+    emit(out, a.out, compact=True)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, children_cpu_s, cpu_name, shardlm, sign_test
+from common import ROOT, children_cpu_s, cpu_name, emit, shardlm, sign_test
 
 TEMPLATE = """{%- if tools %}<|im_start|>system
 Tools: {% for t in tools %}{{ t.function.name }} {% endfor %}<|im_end|>
@@ -216,9 +216,7 @@ def main() -> None:
            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
            "note": "greedy on the 400 held-out products (no phase trained on them); with tools: episodes whose tool "
                    "calls run (the last turn scored); without: the same model and steps trained to answer directly"}
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps(out, separators=(",", ":")))
+    emit(out, args.out, compact=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shardlm.distributed.launch import descendants
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,6 +145,17 @@ def kill_tree(pid: int) -> None:
 def records(out_dir: Path, split: str = "train") -> list[dict]:
     lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def curve(out_dir: Path) -> list[tuple[int, float, float]]:
+    """A run's (step, loss, gradient norm) records: what two ways of splitting the same run must agree on."""
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(out_dir)]
+
+
+def assert_same_curve(got: list, want: list, tol: float = 1e-5) -> None:
+    assert [s for s, *_ in got] == [s for s, *_ in want]
+    for (_, loss, norm), (_, loss_1, norm_1) in zip(got, want, strict=True):
+        assert loss == pytest.approx(loss_1, abs=tol) and norm == pytest.approx(norm_1, rel=tol)
 
 
 def losses(out_dir: Path) -> list[float]:

@@ -12,7 +12,7 @@ import torch
 
 from shardlm.data.blocks import Batch
 from shardlm.distributed import context
-from tests.helpers import records, save_lora_base, shardlm_cli, tiny
+from tests.helpers import assert_same_curve, curve, records, save_lora_base, shardlm_cli, tiny
 
 # 30 tokens: not a multiple of 2 x context, so every split pads (the padding must never be scored)
 LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
@@ -20,16 +20,6 @@ LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 32, "model.n
          "train.eval_batches": 1}
 CHAT = {"data.train": "chat_tasks", "data.val": "chat_tasks_val", "model.tokenizer": "bytes",
         "model.chat_template": "chatml", "data.seq_len": 64}
-
-
-def train_curve(out: Path) -> list[tuple[int, float, float]]:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(out)]
-
-
-def assert_same_curve(got: list, want: list, tol: float = 1e-5) -> None:
-    assert [s for s, *_ in got] == [s for s, *_ in want]
-    for (_, loss, norm), (_, loss_1, norm_1) in zip(got, want, strict=True):
-        assert loss == pytest.approx(loss_1, abs=tol) and norm == pytest.approx(norm_1, rel=tol)
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +58,18 @@ def test_context_2_on_2_ranks_trains_what_one_process_trains(corpus, cache_dir, 
     out = tmp_path / "cp2"
     proc = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **LLAMA, **{"parallel.context": 2})], nproc=2)
     assert "rows split by context: mesh data 1 x context 2" in proc.stdout
-    assert_same_curve(train_curve(out), train_curve(one_process))
+    assert_same_curve(curve(out), curve(one_process))
 
 
 def test_data_2_x_context_2_equals_one_process_and_resumes_on_one_rank(corpus, cache_dir, one_process, tmp_path):
     out = tmp_path / "dp2cp2"
     shardlm_cli(["train", *tiny(corpus, cache_dir, out, **{**LLAMA, "train.batch_size": 2, "parallel.context": 2})],
                 nproc=4, timeout=400)
-    assert_same_curve(train_curve(out), train_curve(one_process))
+    assert_same_curve(curve(out), curve(one_process))
     again = tmp_path / "again"
     shardlm_cli(["train", *tiny(corpus, cache_dir, again, **LLAMA),
                  f"checkpoint.resume={out / 'checkpoints' / 'step_000000002'}"])
-    assert_same_curve(train_curve(again), train_curve(one_process)[2:])
+    assert_same_curve(curve(again), curve(one_process)[2:])
 
 
 def test_packed_examples_split_over_2_ranks_train_what_one_process_trains(cache_dir, tmp_path):
@@ -91,7 +81,7 @@ def test_packed_examples_split_over_2_ranks_train_what_one_process_trains(cache_
     curves = []
     for name, nproc, extra in (("one", 0, {}), ("cp2", 2, {"parallel.context": 2})):
         shardlm_cli(["train", *tiny(Path("unused"), cache_dir, tmp_path / name, **chat, **extra)], nproc=nproc)
-        curves.append(train_curve(tmp_path / name))
+        curves.append(curve(tmp_path / name))
     assert_same_curve(*curves)
 
 

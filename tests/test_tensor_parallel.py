@@ -11,22 +11,12 @@ from faults import fault
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.distributed import tensor
-from tests.helpers import records, shardlm_cli, tiny
+from tests.helpers import assert_same_curve, curve, records, shardlm_cli, tiny
 
 # 32 tokens a row (context 2 splits it without padding); 4 heads and 2 key/value heads, both split by 2
 LLAMA = {"model.arch": "llama", "model.n_layer": 2, "model.n_embd": 32, "model.n_head": 4, "model.n_kv_head": 2,
          "data.seq_len": 32, "train.batch_size": 4, "train.max_steps": 4, "checkpoint.every": 2,
          "train.eval_batches": 1, "train.eval_every": 4}
-
-
-def curve(out: Path) -> list[tuple[int, float, float]]:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in records(out)]
-
-
-def assert_same_curve(got: list, want: list, tol: float = 1e-5) -> None:
-    assert [s for s, *_ in got] == [s for s, *_ in want]
-    for (_, loss, norm), (_, loss_1, norm_1) in zip(got, want, strict=True):
-        assert loss == pytest.approx(loss_1, abs=tol) and norm == pytest.approx(norm_1, rel=tol)
 
 
 def val_loss(out: Path) -> float:
