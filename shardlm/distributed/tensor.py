@@ -4,15 +4,17 @@ the positions: sequence parallelism).
 
 PyTorch's own tensor parallelism (`parallelize_module` with Megatron's plan, as torchtitan's Llama): q, k, v and
 the MLP's gate and up projections column-wise (each rank computes its heads and its slice of the MLP), the attention
-output and down projections row-wise (their partial sums all-reduced into the replicated residual stream). The
-modules keep their local shards as plain tensors between the two (`use_local_output`), so transformers' attention
-runs unchanged on the rank's heads: its `view(..., -1, head_dim)` takes the local head count. Embeddings, norms and
-the head stay replicated over the tensor ranks (FSDP2 shards them over the data ranks): every tensor rank computes
-the same loss, exactly, from the same rows.
+output and down projections row-wise (their partial sums reduce-scattered to the rank's positions). The modules keep
+their local shards as plain tensors (`use_local_output`), so transformers' attention runs unchanged on the rank's
+heads: its `view(..., -1, head_dim)` takes the local head count. The first block cuts the hidden states to the
+rank's positions and the last gathers them again: embeddings, final norm, head and loss run whole on every tensor
+rank, which computes the same loss, exactly, from the same rows. GPT-2's Conv1D layers and Qwen3's per-head norms
+take styles of shardlm's own (shardlm.distributed.tensor_styles).
 
 The ranks form (data x context x tensor), tensor innermost: the N ranks of a block's split are consecutive (on a
 GPU node, NVLink neighbours), and FSDP2 shards every parameter over the data (and context) ranks on top, its 2-D
-placements (Shard over data, Shard or Replicate over tensor) what DCP saves and reshards on resume.
+placements (Shard over data, Shard or Replicate over tensor) what DCP saves and reshards on resume; a strided shard
+(GPT-2's q|k|v), which DCP refuses, is stored as a plain one (`storable`, `restored`).
 """
 
 from __future__ import annotations
