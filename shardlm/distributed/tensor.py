@@ -193,6 +193,8 @@ def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
     """Split each block over the tensor mesh (before FSDP2 shards the result over the data ranks); the first block
     takes its rank's positions of the hidden states, the last gives them all back (the final norm, head and loss
     run whole, the same on every tensor rank)."""
+    if _is_gpt2(blocks[0]):
+        check_strided_shards(mesh)  # collectively, once: every GPT-2 block splits its q|k|v the same way
     for block in blocks:
         # torch's SequenceParallel and distribute_module register new parameters, trainable: LoRA's frozen norms
         # would train (checked: the norms of a LoRA run had gradients)
@@ -207,8 +209,7 @@ def parallelize_blocks(blocks: nn.ModuleList, mesh: Any) -> None:
 def _split_block(block: nn.Module, mesh: Any) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if hasattr(block, "attn") and hasattr(block.attn, "c_attn"):  # GPT-2
-        check_strided_shards(mesh)
+    if _is_gpt2(block):
         parallelize_module(block, mesh, gpt2_plan())
         attn: Any = block.attn
         attn.split_size //= mesh.size()  # its q, k, v: each the rank's heads
@@ -245,6 +246,10 @@ def _from_positions(mesh: Any):
         return whole(out) if torch.is_tensor(out) else (whole(out[0]), *out[1:])
 
     return hook
+
+
+def _is_gpt2(block: nn.Module) -> bool:
+    return _has(block, "attn.c_attn")
 
 
 def _has(module: nn.Module, name: str) -> bool:

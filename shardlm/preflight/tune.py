@@ -210,12 +210,7 @@ def tune(cfg: Config, budget_gb: float | None, steps: int = 3, max_batch: int = 
     with tempfile.TemporaryDirectory(prefix="shardlm-tune-") as scratch:
         cfg = build_config({**to_flat_dict(cfg), "out_dir": scratch})  # trials never write into a run's out_dir
         for base in settings_grid(cfg, info.world_size, on_gpu):
-            for ac in ac_ladder(on_gpu):
-                setting = {**base, "parallel.activation_checkpointing": ac}
-                log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
-                points.append(search(cfg, setting, budget, steps, max_batch, info.world_size, log))
-                if points[-1].micro_batch == per_rank:  # the whole per-rank batch in one micro-batch
-                    break
+            points += climb(cfg, base, budget, steps, max_batch, info.world_size, on_gpu, log)
         if not any(p.micro_batch == p.per_rank_batch for p in points):  # memory demands more: split the blocks
             points += split_blocks(cfg, budget, steps, max_batch, info.world_size, on_gpu, log)
     return points
@@ -235,17 +230,25 @@ def split_blocks(cfg: Config, budget: float | None, steps: int, max_batch: int, 
     model or config cannot take (its family, its heads) is skipped with its one-line reason."""
     points: list[Point] = []
     for n in tensor_degrees(cfg, world_size):
-        for ac in ac_ladder(on_gpu):
-            setting = {**settings_grid(cfg, 1, on_gpu)[0], "parallel.sharding": "full",
-                       "parallel.activation_checkpointing": ac, "parallel.tensor": n}
-            log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
-            try:
-                points.append(search(cfg, setting, budget, steps, max_batch, world_size, log))
-            except ShardlmError as e:
-                log(f"  parallel.tensor={n} skipped: {e}")
-                break
-            if points[-1].micro_batch == points[-1].per_rank_batch:
-                break
+        base = {**settings_grid(cfg, 1, on_gpu)[0], "parallel.sharding": "full", "parallel.tensor": n}
+        try:
+            points += climb(cfg, base, budget, steps, max_batch, world_size, on_gpu, log)
+        except ShardlmError as e:
+            log(f"  parallel.tensor={n} skipped: {e}")
+    return points
+
+
+def climb(cfg: Config, base: dict[str, object], budget: float | None, steps: int, max_batch: int, world_size: int,
+          on_gpu: bool, log) -> list[Point]:
+    """`base` up the activation checkpointing ladder, a search each, until one trains the per-rank batch as one
+    micro-batch."""
+    points: list[Point] = []
+    for ac in ac_ladder(on_gpu):
+        setting = {**base, "parallel.activation_checkpointing": ac}
+        log(" ".join(f"{k.split('.')[-1]}={v}" for k, v in setting.items()))
+        points.append(search(cfg, setting, budget, steps, max_batch, world_size, log))
+        if points[-1].micro_batch == points[-1].per_rank_batch:  # the whole per-rank batch in one micro-batch
+            break
     return points
 
 
