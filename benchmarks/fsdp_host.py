@@ -10,6 +10,9 @@ vocabulary, seq 64, batch 4, fp32, eager), so its tiny compute leaves the host c
 from metrics.jsonl (`time_s` between the records of steps --from and --steps); the phases from a profiler started
 by a callback of this file (`Profile`) for the 20 steps after those, on rank 0. Ranges nest (an all-gather inside a
 pre-forward): each phase is its own inclusive total, not a share of a sum.
+
+Two ranks share this machine's cores, caches and memory: their rows are compared with two one-process runs side by
+side (`no_fsdp_2procs`), and gloo's own collective time (its `gloo:` events) is taken out to leave the host cost.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from pathlib import Path
 MODEL = ["model.n_layer=12", "model.n_embd=64", "model.n_head=2", "data.seq_len=64", "model.n_positions=64",
          "train.batch_size=4", "train.eval_every=0", "train.sample_tokens=0", "train.log_every=20",
          "checkpoint.every=0", "log.tensorboard=false", "log.progress=none", "parallel.compile=false"]
-VARIANTS = {  # name: (processes, torchrun, overrides)
+VARIANTS = {  # name: (processes, torchrun, overrides); 2 processes without torchrun: two runs side by side
     "no_fsdp": (1, False, ["parallel.fsdp=false"]),
+    "no_fsdp_2procs": (2, False, ["parallel.fsdp=false"]),
     "fsdp_full_1rank": (1, True, ["parallel.fsdp=true", "parallel.sharding=full"]),
     "fsdp_grad_op_1rank": (1, True, ["parallel.fsdp=true", "parallel.sharding=grad_op"]),
     "fsdp_full_2ranks": (2, True, ["parallel.fsdp=true", "parallel.sharding=full"]),
@@ -58,8 +62,9 @@ class Profile:
             phases: dict[str, float] = {}
             for e in self.prof.events():
                 name = re.sub(r" \(.*\)$| for .*$", "", e.name)  # the unit's name and the prefetch target go
-                if name.startswith("FSDP::") or name.startswith("Optimizer.step"):
-                    key = "Optimizer.step" if name.startswith("Optimizer.step") else name
+                key = "Optimizer.step" if name.startswith("Optimizer.step") else \
+                    "gloo:*" if name.startswith("gloo:") else name if name.startswith("FSDP::") else None
+                if key:  # gloo:* are the collectives themselves, run by gloo's threads while a hook waits on them
                     phases[key] = phases.get(key, 0.0) + e.cpu_time_total / 1000 / PROFILED
             Path(self.out).write_text(json.dumps({k: round(v, 3) for k, v in sorted(phases.items())}) + "\n")
 
@@ -74,17 +79,25 @@ def measure(name: str, work: Path, args: argparse.Namespace) -> dict:
     from common import ROOT  # here: shardlm imports this file for its callback, without benchmarks/ on its path
 
     nproc, torchrun, overrides = VARIANTS[name]
-    run, phases = work / name, work / f"{name}-phases.json"
+    phases = work / f"{name}-phases.json"
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "-m", "shardlm"] \
         if torchrun else [sys.executable, "-m", "shardlm"]
-    cmd = [*launch, "train", "shakespeare_tiny", *MODEL, f"train.max_steps={args.steps + PROFILED}",
-           f"out_dir={run}", *overrides, *args.overrides,
-           f"--callback={Path(__file__).resolve()}:Profile({args.steps}, '{phases}')"]  # after the timed steps
+    runs = [work / name] if torchrun else [work / f"{name}-{i}" for i in range(nproc)]  # side by side, no ranks
+
+    def cmd(run: Path) -> list[str]:
+        profiled = [f"--callback={Path(__file__).resolve()}:Profile({args.steps}, '{phases}')"] \
+            if run == runs[0] else []  # after the timed steps
+        return [*launch, "train", "shakespeare_tiny", *MODEL, f"train.max_steps={args.steps + PROFILED}",
+                f"out_dir={run}", *overrides, *args.overrides, *profiled]
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
-    if proc.returncode:
-        raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return {"ms_per_step": step_ms(run, args.start, args.steps),
+    procs = [subprocess.Popen(cmd(run), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+             for run in runs]
+    for proc in procs:
+        out, err = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"{name} failed:\n{out[-2000:]}\n{err[-3000:]}")
+    return {"ms_per_step": round(sum(step_ms(run, args.start, args.steps) for run in runs) / len(runs), 2),
             "profiled_ms_per_step": json.loads(phases.read_text()) if phases.exists() else {}}
 
 
@@ -101,18 +114,23 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="shardlm-fsdp-host-") as tmp:
         rows = {name: measure(name, Path(tmp), args) for name in args.variants.split(",")}
-    base = rows.get("no_fsdp", {}).get("ms_per_step")
-    for row in rows.values():
+    for name, row in rows.items():  # 2 ranks against two runs side by side: the cores, caches and memory shared alike
+        base = rows.get("no_fsdp_2procs" if VARIANTS[name][0] == 2 else "no_fsdp", {}).get("ms_per_step")
         if base:
             row["x_no_fsdp"] = round(row["ms_per_step"] / base, 3)
             row["host_cost_ms"] = round(row["ms_per_step"] - base, 2)
+            if gloo := row["profiled_ms_per_step"].get("gloo:*"):  # what is left once the transfers are taken out
+                row["host_cost_less_collectives_ms"] = round(row["host_cost_ms"] - gloo, 2)
     out = {"benchmark": "fsdp_host", "command": " ".join(["python", "benchmarks/fsdp_host.py", *sys.argv[1:]]),
            "model": MODEL, "steps": [args.start, args.steps], "rows": rows,
            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                        "omp_num_threads": 1},
-           "note": "ms_per_step from metrics.jsonl time_s; profiled_ms_per_step: torch.profiler's inclusive CPU time "
-                   "of each FSDP:: range (nested ranges overlap) and of Optimizer.step, per step, rank 0, 20 steps "
-                   "(the profiler's own overhead inflates them; compare phases, not the sum, with ms_per_step)"}
+           "note": "ms_per_step from metrics.jsonl time_s (no_fsdp_2procs: two one-process runs at once, the mean; the "
+                   "2-rank rows' x_no_fsdp and host_cost_ms are against it); host_cost_less_collectives_ms: "
+                   "host_cost_ms less the gloo collectives' own time (gloo:*, profiled; an estimate: a collective that "
+                   "overlapped other work is taken out whole); profiled_ms_per_step: torch.profiler's inclusive "
+                   "CPU time of each FSDP:: range (nested ranges overlap) and of Optimizer.step, per step, rank 0, "
+                   "20 steps (profiling inflates them; compare phases, not their sum, to ms_per_step)"}
     emit(out, args.out, compact=True)
 
 

@@ -47,7 +47,7 @@ def grad_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
         by_layout.setdefault((g.device_mesh, g.placements), []).append(g)
     for (mesh, placements), group in by_layout.items():
         local = [local_shard(g) for g in group]
-        squares = torch.stack([n.float() for n in torch._foreach_norm(local, 2.0)]).square().sum().to(device)
+        squares = torch.stack(torch._foreach_norm(local, 2.0, dtype=torch.float32)).square().sum().to(device)
         for dim, placement in enumerate(placements):
             if splits(placement) and mesh.size(dim) > 1:
                 torch.distributed.all_reduce(squares, group=mesh.get_group(dim))
