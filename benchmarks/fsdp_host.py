@@ -3,7 +3,7 @@ one rank (full, grad_op) and on 2 ranks, and torch.profiler's FSDP2 phases (its 
 all-gather, copy-out, pre/post forward and backward, reduce, reshard) and the optimizer step in ms per step.
 Prints one JSON object.
 
-    python benchmarks/fsdp_host.py [--steps 160] [--from 20] [--out FILE] [key=value ...]
+    python benchmarks/fsdp_host.py [--steps 160] [--from 20] [--repeats 3] [--out FILE] [key=value ...]
 
 The model is the one of benchmarks/results/fsdp_host_overhead_cpu_2026-11-26.json (12 x 64 wide, 2 heads, byte
 vocabulary, seq 64, batch 4, fp32, eager), so its tiny compute leaves the host cost in plain view. Step times are
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,13 @@ VARIANTS = {  # name: (processes, torchrun, overrides); 2 processes without torc
     "fsdp_full_2ranks_block": (2, True, ["parallel.fsdp=true", "parallel.sharding=full", "parallel.wrap=block"]),
 }
 PROFILED = 20  # steps the profiler covers
+NOTE = " ".join([
+    "ms_per_step: the median of --repeats runs (ms_per_step_each), each from metrics.jsonl time_s (no_fsdp_2procs:",
+    "two one-process runs at once, the mean; the 2-rank rows' x_no_fsdp and host_cost_ms are against it);",
+    "host_cost_less_collectives_ms: host_cost_ms less the gloo collectives' own time (gloo:*, profiled; an estimate:",
+    "a collective that overlapped other work is taken out whole); profiled_ms_per_step: torch.profiler's inclusive",
+    "CPU time of each FSDP:: range (nested ranges overlap) and of Optimizer.step, per step, rank 0, 20 steps of the",
+    "first run (profiling inflates them; compare phases, not their sum, to ms_per_step)"])
 
 
 class Profile:
@@ -106,6 +114,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=160)
     ap.add_argument("--from", dest="start", type=int, default=20)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each variant; ms_per_step is their median")
     ap.add_argument("--out", default=None)
     ap.add_argument("overrides", nargs="*", help="key=value for every variant")
     args = ap.parse_args()
@@ -113,7 +122,15 @@ def main() -> None:
     from common import cpu_name, emit
 
     with tempfile.TemporaryDirectory(prefix="shardlm-fsdp-host-") as tmp:
-        rows = {name: measure(name, Path(tmp), args) for name in args.variants.split(",")}
+        names, runs = args.variants.split(","), []
+        for r in range(args.repeats):  # the variants in turn, so a slow spell of the machine falls on all of them
+            (work := Path(tmp) / str(r)).mkdir()
+            runs.append({name: measure(name, work, args) for name in names})
+    rows = {}
+    for name in names:
+        times = sorted(run[name]["ms_per_step"] for run in runs)
+        rows[name] = {"ms_per_step": statistics.median(times), "ms_per_step_each": times,
+                      "profiled_ms_per_step": runs[0][name]["profiled_ms_per_step"]}
     for name, row in rows.items():  # 2 ranks against two runs side by side: the cores, caches and memory shared alike
         base = rows.get("no_fsdp_2procs" if VARIANTS[name][0] == 2 else "no_fsdp", {}).get("ms_per_step")
         if base:
@@ -125,12 +142,7 @@ def main() -> None:
            "model": MODEL, "steps": [args.start, args.steps], "rows": rows,
            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                        "omp_num_threads": 1},
-           "note": "ms_per_step from metrics.jsonl time_s (no_fsdp_2procs: two one-process runs at once, the mean; the "
-                   "2-rank rows' x_no_fsdp and host_cost_ms are against it); host_cost_less_collectives_ms: "
-                   "host_cost_ms less the gloo collectives' own time (gloo:*, profiled; an estimate: a collective that "
-                   "overlapped other work is taken out whole); profiled_ms_per_step: torch.profiler's inclusive "
-                   "CPU time of each FSDP:: range (nested ranges overlap) and of Optimizer.step, per step, rank 0, "
-                   "20 steps (profiling inflates them; compare phases, not their sum, to ms_per_step)"}
+           "note": NOTE}
     emit(out, args.out, compact=True)
 
 

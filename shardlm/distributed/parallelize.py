@@ -19,7 +19,7 @@ from torch import nn
 from shardlm import ShardlmError
 from shardlm.config import Config, ParallelConfig, objectives
 from shardlm.config.checks import ac_mode, wrap_size
-from shardlm.distributed import checkpointing, context, tensor, wrapping
+from shardlm.distributed import checkpointing, context, cpu_comms, tensor, wrapping
 from shardlm.distributed.process_group import Dist
 from shardlm.models import lora, nf4
 from shardlm.models.causal_lm import FORWARDS, CausalLM, transformer_blocks
@@ -311,6 +311,7 @@ def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, m
         sharded.append(unit[0] if isinstance(unit, list) else unit)
     # torch's rule for the root (None): kept gathered after forward, since backward starts with the head it holds
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})
+    cpu_comms.use_on_cpu(model, mesh)  # gloo's reduce-scatter is slower than its all-to-all and a sum
     for name in FORWARDS:  # forwards too (preference pairs', online RL's, distillation's): the root's gathers
         register_fsdp_forward_method(model, name)
     if p.prefetch > 0 and len(sharded) > 1:

@@ -20,7 +20,7 @@ import torch
 
 from shardlm.config import task_defaults_note
 from shardlm.data import describe
-from shardlm.distributed import checkpointing, xla
+from shardlm.distributed import checkpointing, cpu_comms, xla
 from shardlm.distributed.wrapping import describe_units
 from shardlm.models import lora
 from shardlm.models.causal_lm import num_params, transformer_blocks
@@ -71,6 +71,7 @@ def run_header(run: Run) -> str:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
                  f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}"
                  + (f" x tensor {pl.tensor}" if pl.tensor > 1 else "")
+                 + (", reduce-scatter by all-to-all" if cpu_comms.applies(d.device.type, pl.mesh_shape) else "")
                  + (f", rows split by context: {d.context.describe()}" if d.context is not None else ""))
     elif d.device.type == "xla":
         where = f"1 process, XLA SPMD over {d.devices} device(s), FSDPv2 {cfg.parallel.sharding}"
