@@ -1,8 +1,8 @@
-"""gloo's collectives on CPU ranks, timed side by side: its reduce_scatter_tensor, shardlm's all-to-all reduce-scatter
-(shardlm/distributed/cpu_comms.py: all_to_all_single and a sum), all_reduce of the whole input and
-all_gather_into_tensor, for FSDP2-like sizes. Prints one JSON object (rank 0).
+"""gloo's collectives on CPU ranks, timed side by side: its reduce_scatter_tensor against shardlm's CPU reduce-scatter
+(shardlm/distributed/cpu_comms.py) and the two ways it picks from (all_to_all_single and a sum; all_reduce of the
+whole input), and all_gather_into_tensor, for FSDP2-like sizes. Prints one JSON object.
 
-    python benchmarks/cpu_collectives.py [--ranks 2] [--sizes 150000,600000,5000000] [--iters 20] [--out FILE]
+    python benchmarks/cpu_collectives.py [--ranks 2] [--sizes N,N,...] [--iters 20] [--out FILE]
 
 A size is the values each rank keeps (a reduce-scatter's output; its input is ranks x that), fp32, one thread a rank.
 Each figure is the median of --iters calls after 3 warm-up calls, every rank starting together (a barrier).
@@ -35,19 +35,25 @@ def timed(fn, iters: int) -> float:
 
 
 def one_size(n: int, iters: int) -> dict:
-    """The four collectives on `n` values a rank (ranks x n in), and whether shardlm's result is gloo's."""
+    """The collectives on `n` values a rank (ranks x n in), and whether shardlm's result is gloo's."""
     import torch
     import torch.distributed as dist
 
-    from shardlm.distributed.cpu_comms import AllToAllReduceScatter
+    from shardlm.distributed.cpu_comms import CpuReduceScatter
 
-    ranks, comm, world, total = dist.get_world_size(), AllToAllReduceScatter(), dist.group.WORLD, dist.ReduceOp.SUM
-    x, out, full = torch.randn(ranks * n), torch.empty(n), torch.empty(ranks * n)
+    ranks, comm, world, total = dist.get_world_size(), CpuReduceScatter(), dist.group.WORLD, dist.ReduceOp.SUM
+    x, out, full, received = torch.randn(ranks * n), torch.empty(n), torch.empty(ranks * n), torch.empty(ranks * n)
     comm(out, x.clone(), world, total)
     ours = out.clone()
     dist.reduce_scatter_tensor(out, x.clone())
+
+    def all_to_all_and_sum() -> None:
+        dist.all_to_all_single(received, x)
+        torch.sum(received.view(ranks, n), dim=0, out=out)
+
     return {"reduce_scatter_tensor_ms": timed(lambda: dist.reduce_scatter_tensor(out, x), iters),
-            "all_to_all_and_sum_ms": timed(lambda: comm(out, x, world, total), iters),
+            "shardlm_ms": timed(lambda: comm(out, x, world, total), iters),
+            "all_to_all_and_sum_ms": timed(all_to_all_and_sum, iters),
             "all_reduce_whole_ms": timed(lambda: dist.all_reduce(x), iters),
             "all_gather_into_tensor_ms": timed(lambda: dist.all_gather_into_tensor(full, out), iters),
             "same_result": bool(torch.allclose(ours, out, rtol=1e-6, atol=1e-6))}
@@ -68,7 +74,7 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--sizes", default="150000,600000,5000000")
+    ap.add_argument("--sizes", default="150000,600000,2000000,5000000,20000000")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--result", help=argparse.SUPPRESS)  # set for the ranks: where rank 0 writes its rows
@@ -89,7 +95,7 @@ def main() -> None:
             raise SystemExit(proc.stderr[-3000:])
         rows = json.loads(result.read_text())
     for row in rows.values():
-        row["reduce_scatter_speedup"] = round(row["reduce_scatter_tensor_ms"] / row["all_to_all_and_sum_ms"], 2)
+        row["speedup"] = round(row["reduce_scatter_tensor_ms"] / row["shardlm_ms"], 2)
     emit({"benchmark": "cpu_collectives", "command": " ".join(["python", "benchmarks/cpu_collectives.py",
                                                                  *sys.argv[1:]]),
           "ranks": args.ranks, "values_per_rank": rows, "dtype": "float32",

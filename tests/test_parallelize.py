@@ -1,6 +1,6 @@
 """The parallel plan: a precision, sharding or attention the device and the world size cannot run is refused in one
 line before any work; a config written for a GPU warns once on a CPU, with what to change. On CPU ranks FSDP2's
-gradient reduce-scatter runs as an all-to-all and a sum, with gloo's own results."""
+gradient reduce-scatter runs as an all-to-all (or an all-reduce), with gloo's own results."""
 
 import json
 import subprocess
@@ -52,13 +52,15 @@ def test_a_gpu_config_on_a_cpu_warns_once_with_what_to_change(corpus, cache_dir,
     assert proc.stderr.count("warning: this config was written for a GPU") == 1, proc.stderr
 
 
-def test_cpu_reduce_scatter_by_all_to_all_equals_gloos(tmp_path):
-    """2 gloo ranks: SUM and AVG of an even and an odd size equal gloo's reduce_scatter_tensor bit for bit; shardlm's
-    `shard` gives both units of a tiny GPT-2 this comm, and its gradients are those of a copy left on gloo's."""
+def test_cpu_reduce_scatter_equals_gloos(tmp_path):
+    """2 gloo ranks: SUM and AVG of an even, an odd and a large size (all-to-all; all-reduce) equal gloo's
+    reduce_scatter_tensor bit for bit; shardlm's `shard` gives both units of a tiny GPT-2 this comm, and its
+    gradients are those of a copy left on gloo's."""
     out = tmp_path / "result.json"
     run = subprocess.run(python_cmd(str(ROOT / "tests" / "scripts" / "reduce_scatter_check.py"), str(out), nproc=2),
                          capture_output=True, text=True, timeout=120,
                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(out.read_text()) == {"sum_6": 0.0, "sum_1001": 0.0, "avg_6": 0.0, "avg_1001": 0.0,
-                                           "installed": ["AllToAllReduceScatter"] * 2, "grads": 0.0}
+    assert json.loads(out.read_text()) == {
+        "sum_6": 0.0, "sum_1001": 0.0, "sum_9999": 0.0, "avg_6": 0.0, "avg_1001": 0.0, "avg_9999": 0.0,
+        "installed": ["CpuReduceScatter"] * 2, "grads": 0.0}

@@ -66,7 +66,8 @@ def test_data_2_x_tensor_2_resumes_exactly_and_on_one_process(corpus, cache_dir,
                          check=False, timeout=400)
     assert killed.returncode != 0 and max(s for s, *_ in curve(out)) == 2
     resumed = shardlm_cli(["train", *tiny(corpus, cache_dir, out, **args)], nproc=4, timeout=400)
-    assert "resumed from" in resumed.stdout and "mesh (2,) x tensor 2, reduce-scatter by all-to-all" in resumed.stdout
+    assert "resumed from" in resumed.stdout
+    assert "mesh (2,) x tensor 2, reduce-scatter by all-to-all or all-reduce" in resumed.stdout
     assert_same_curve(curve(out), curve(one_process))
     again = tmp_path / "again"
     shardlm_cli(["train", *tiny(corpus, cache_dir, again, **LLAMA),

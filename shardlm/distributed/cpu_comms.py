@@ -1,11 +1,13 @@
-"""FSDP2's gradient reduce-scatter on CPU ranks, run as torch's all_to_all and a local sum.
+"""FSDP2's gradient reduce-scatter on CPU ranks, run as another of torch's gloo collectives.
 
-gloo's `reduce_scatter_tensor` is slow: between 2 CPU ranks (torch 2.13) it took 12.1 ms for 600K fp32 values a
-rank where `all_to_all_single` of the same chunks and a sum took 6.0 ms (3.7 against 1.1 ms at 150K, 104 against
-34 ms at 5M), slower even than gloo's all-reduce of the whole input. FSDP2 reduce-scatters every unit's gradients on
-every step, so on CPU that was most of the collective time of a 2-rank step. FSDP2 takes a replacement through its
-own hook (`FSDPModule.set_custom_reduce_scatter`): each rank receives every rank's chunk of its shard and adds them
-in rank order, which is the reduce-scatter's result. Only CPU meshes get it (NCCL's reduce-scatter is its own)."""
+gloo's `reduce_scatter_tensor` is its slowest way to that result (`benchmarks/cpu_collectives.py`, 2 ranks, fp32,
+torch 2.13, AMD EPYC): for a rank's 150K-4M values `all_to_all_single` of the ranks' chunks and a sum took 0.4-0.7x
+its time (0.72 against 2.03 ms at 150K, 3.2 against 5.4 ms at 600K, 9.3 against 16.7 ms at 2M); from about 5M values
+a rank the all-to-all falls to the reduce-scatter's speed while gloo's all-reduce of the whole input, then the rank's
+chunk, takes half (25 against 47 ms at 5M, 97 against 200 ms at 20M). FSDP2 reduce-scatters every unit's gradients
+on every step, so this was most of a CPU rank's collective time. FSDP2 takes a replacement through its own hook
+(`FSDPModule.set_custom_reduce_scatter`); the result is the reduce-scatter's (to the bit on 2 ranks, where a sum has
+one order). Only CPU meshes get it: NCCL's reduce-scatter is its own."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+ALL_TO_ALL_MAX = 2**21  # values a rank receives (8 MB of fp32): past ~4M the all-to-all slowed to gloo's own here
 
-class AllToAllReduceScatter(ReduceScatter):
-    """A reduce-scatter of SUM or AVG as `all_to_all_single` plus a sum over the ranks' chunks; other ops (a
-    pre-multiplied sum) go to torch's `reduce_scatter_tensor` unchanged."""
+
+class CpuReduceScatter(ReduceScatter):
+    """A reduce-scatter of SUM or AVG: `all_to_all_single` and a sum over the ranks' chunks for up to ALL_TO_ALL_MAX
+    values a rank, else an all-reduce of the whole input in place (FSDP2 does not read it afterwards) and this rank's
+    chunk. Other ops (a pre-multiplied sum) go to torch's `reduce_scatter_tensor` unchanged."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
                  ) -> torch.Tensor:
@@ -30,10 +35,15 @@ class AllToAllReduceScatter(ReduceScatter):
                  op, async_op: bool = False) -> dist.Work | None:
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        ranks = group.size()
-        received = torch.empty_like(input_tensor)
-        dist.all_to_all_single(received, input_tensor, group=group)
-        torch.sum(received.view(ranks, -1), dim=0, out=output_tensor)
+        ranks, n = group.size(), output_tensor.numel()
+        if n <= ALL_TO_ALL_MAX:
+            received = torch.empty_like(input_tensor)
+            dist.all_to_all_single(received, input_tensor, group=group)
+            torch.sum(received.view(ranks, n), dim=0, out=output_tensor)
+        else:
+            dist.all_reduce(input_tensor, group=group)
+            mine = dist.get_group_rank(group, dist.get_rank())
+            output_tensor.copy_(input_tensor.view(ranks, n)[mine])
         if op == ReduceOp.AVG:
             output_tensor.div_(ranks)
         return None
@@ -45,12 +55,12 @@ def applies(device_type: str, mesh_shape: tuple[int, ...]) -> bool:
 
 
 def use_on_cpu(model: nn.Module, mesh) -> bool:
-    """Give every FSDP2 unit of `model` the all-to-all reduce-scatter where it `applies` to `mesh`; whether it did."""
+    """Give every FSDP2 unit of `model` the CPU reduce-scatter where it `applies` to `mesh`; whether it did."""
     from torch.distributed.fsdp import FSDPModule
 
     if not applies(mesh.device_type, tuple(mesh.shape)):
         return False
-    comm = AllToAllReduceScatter()
+    comm = CpuReduceScatter()
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_reduce_scatter(comm)

@@ -311,7 +311,7 @@ def shard(model: CausalLM, blocks: nn.ModuleList, p: ParallelConfig, pl: Plan, m
         sharded.append(unit[0] if isinstance(unit, list) else unit)
     # torch's rule for the root (None): kept gathered after forward, since backward starts with the head it holds
     fully_shard(model, **{**kwargs, "reshard_after_forward": None})
-    cpu_comms.use_on_cpu(model, mesh)  # gloo's reduce-scatter is slower than its all-to-all and a sum
+    cpu_comms.use_on_cpu(model, mesh)  # gloo's reduce-scatter is its slowest way to the result
     for name in FORWARDS:  # forwards too (preference pairs', online RL's, distillation's): the root's gathers
         register_fsdp_forward_method(model, name)
     if p.prefetch > 0 and len(sharded) > 1:

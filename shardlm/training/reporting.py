@@ -71,7 +71,8 @@ def run_header(run: Run) -> str:
         where = (f"{d.info.launcher} launch: {d.world_size} rank(s) on {d.info.num_nodes} node(s), "
                  f"FSDP2 {cfg.parallel.sharding}, mesh {pl.mesh_shape}"
                  + (f" x tensor {pl.tensor}" if pl.tensor > 1 else "")
-                 + (", reduce-scatter by all-to-all" if cpu_comms.applies(d.device.type, pl.mesh_shape) else "")
+                 + (", reduce-scatter by all-to-all or all-reduce"
+                    if cpu_comms.applies(d.device.type, pl.mesh_shape) else "")
                  + (f", rows split by context: {d.context.describe()}" if d.context is not None else ""))
     elif d.device.type == "xla":
         where = f"1 process, XLA SPMD over {d.devices} device(s), FSDPv2 {cfg.parallel.sharding}"
