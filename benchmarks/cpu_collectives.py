@@ -42,12 +42,14 @@ def one_size(n: int, iters: int) -> dict:
     from shardlm.distributed.cpu_comms import CpuReduceScatter
 
     ranks, comm, world, total = dist.get_world_size(), CpuReduceScatter(), dist.group.WORLD, dist.ReduceOp.SUM
-    x, out, full, received = torch.randn(ranks * n), torch.empty(n), torch.empty(ranks * n), torch.empty(ranks * n)
-    comm(out, x.clone(), world, total)
+    x, out, full = torch.randn(ranks * n), torch.empty(n), torch.empty(ranks * n)
+    comm(out, x.clone(), world, total)  # the comm may reduce its input in place
     ours = out.clone()
     dist.reduce_scatter_tensor(out, x.clone())
+    same = bool(torch.allclose(ours, out, rtol=1e-6, atol=1e-6))
 
-    def all_to_all_and_sum() -> None:
+    def all_to_all_and_sum() -> None:  # its buffer made per call, as a comm must unless it keeps one
+        received = torch.empty_like(x)
         dist.all_to_all_single(received, x)
         torch.sum(received.view(ranks, n), dim=0, out=out)
 
@@ -56,7 +58,7 @@ def one_size(n: int, iters: int) -> dict:
             "all_to_all_and_sum_ms": timed(all_to_all_and_sum, iters),
             "all_reduce_whole_ms": timed(lambda: dist.all_reduce(x), iters),
             "all_gather_into_tensor_ms": timed(lambda: dist.all_gather_into_tensor(full, out), iters),
-            "same_result": bool(torch.allclose(ours, out, rtol=1e-6, atol=1e-6))}
+            "same_result": same}
 
 
 def rank_main(args: argparse.Namespace) -> None:

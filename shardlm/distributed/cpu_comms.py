@@ -1,13 +1,15 @@
 """FSDP2's gradient reduce-scatter on CPU ranks, run as another of torch's gloo collectives.
 
 gloo's `reduce_scatter_tensor` is its slowest way to that result (`benchmarks/cpu_collectives.py`, 2 ranks, fp32,
-torch 2.13, AMD EPYC): for a rank's 150K-4M values `all_to_all_single` of the ranks' chunks and a sum took 0.4-0.7x
-its time (0.72 against 2.03 ms at 150K, 3.2 against 5.4 ms at 600K, 9.3 against 16.7 ms at 2M); from about 5M values
-a rank the all-to-all falls to the reduce-scatter's speed while gloo's all-reduce of the whole input, then the rank's
-chunk, takes half (25 against 47 ms at 5M, 97 against 200 ms at 20M). FSDP2 reduce-scatters every unit's gradients
-on every step, so this was most of a CPU rank's collective time. FSDP2 takes a replacement through its own hook
-(`FSDPModule.set_custom_reduce_scatter`); the result is the reduce-scatter's (to the bit on 2 ranks, where a sum has
-one order). Only CPU meshes get it: NCCL's reduce-scatter is its own."""
+torch 2.13, AMD EPYC; results/cpu_collectives_cpu_2026-11-29.json): `all_to_all_single` of the ranks' chunks and a
+sum took 0.37-0.57x its time from 150K to 2M values a rank (1.0 against 1.8 ms at 150K, 2.3 against 6.2 ms at 600K,
+6.3 against 13.6 ms at 2M). The all-to-all needs a receiving buffer as large as the input; past glibc's 32 MB mmap
+threshold each one is fresh pages, and at 5M and 20M values a rank it came within 15% of the reduce-scatter (39 and
+167 against 46 and 184 ms), where an all-reduce of the whole input in place, then the rank's chunk, took 26 and 98
+ms. So inputs up to 16 MB take the all-to-all and larger ones the all-reduce (FSDP2 does not read its input after
+the call). FSDP2 reduce-scatters every unit's gradients on every step, so this was most of a CPU rank's collective
+time. It takes a replacement through its own hook (`FSDPModule.set_custom_reduce_scatter`); the result is the
+reduce-scatter's (to the bit on 2 ranks, where a sum has one order). Only CPU meshes get it: NCCL's is its own."""
 
 from __future__ import annotations
 
@@ -19,13 +21,13 @@ from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-ALL_TO_ALL_MAX = 2**21  # values a rank receives (8 MB of fp32): past ~4M the all-to-all slowed to gloo's own here
+ALL_TO_ALL_MAX_BYTES = 16 * 2**20  # an input (and its receiving buffer) up to this size takes the all-to-all
 
 
 class CpuReduceScatter(ReduceScatter):
-    """A reduce-scatter of SUM or AVG: `all_to_all_single` and a sum over the ranks' chunks for up to ALL_TO_ALL_MAX
-    values a rank, else an all-reduce of the whole input in place (FSDP2 does not read it afterwards) and this rank's
-    chunk. Other ops (a pre-multiplied sum) go to torch's `reduce_scatter_tensor` unchanged."""
+    """A reduce-scatter of SUM or AVG: `all_to_all_single` and a sum over the ranks' chunks for an input of up to
+    ALL_TO_ALL_MAX_BYTES, else an all-reduce of the whole input in place and this rank's chunk. Other ops (a
+    pre-multiplied sum) go to torch's `reduce_scatter_tensor` unchanged."""
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
                  ) -> torch.Tensor:
@@ -36,7 +38,7 @@ class CpuReduceScatter(ReduceScatter):
         if op not in (ReduceOp.SUM, ReduceOp.AVG):
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         ranks, n = group.size(), output_tensor.numel()
-        if n <= ALL_TO_ALL_MAX:
+        if input_tensor.numel() * input_tensor.element_size() <= ALL_TO_ALL_MAX_BYTES:
             received = torch.empty_like(input_tensor)
             dist.all_to_all_single(received, input_tensor, group=group)
             torch.sum(received.view(ranks, n), dim=0, out=output_tensor)

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from shardlm.config import load_config
-from shardlm.distributed.cpu_comms import ALL_TO_ALL_MAX, CpuReduceScatter
+from shardlm.distributed.cpu_comms import ALL_TO_ALL_MAX_BYTES, CpuReduceScatter
 from shardlm.distributed.parallelize import device_mesh, plan, shard
 from shardlm.models.causal_lm import CausalLM, transformer_blocks
 
@@ -22,7 +22,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(rank)
 comm, result = CpuReduceScatter(), {}
 for op, name in ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg")):
-    for n in (6, 1001, ALL_TO_ALL_MAX + 1):  # all-to-all twice, then the all-reduce
+    for n in (6, 1001, ALL_TO_ALL_MAX_BYTES // 4 // world + 1):  # all-to-all twice, then the all-reduce
         x = torch.randn(world * n)
         ours, theirs = comm.allocate((n,), dtype=x.dtype, device=x.device), torch.empty(n)
         comm(ours, x.clone(), dist.group.WORLD, op)
