@@ -38,8 +38,9 @@ pl = plan(cfg, world, world, torch.device("cpu"))
 shard(model, transformer_blocks(model.hf), cfg.parallel, pl, device_mesh(pl, torch.device("cpu"))[0])
 fully_shard(list(transformer_blocks(plain.hf)))
 fully_shard(plain)
-groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)  # a unit of 2 blocks: one state
-          for g in m._get_fsdp_state()._fsdp_param_groups}
+states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]  # 2 blocks, 1 unit: 1 state
+groups = {id(g): g for state in states  # torch 2.9 keeps one param group a state, 2.13 a list
+          for g in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]}
 result["installed"] = [type(g._reduce_scatter_comm).__name__ for g in groups.values()]
 torch.manual_seed(1 + rank)
 tokens = torch.randint(0, 40, (3, 16))
