@@ -44,8 +44,7 @@ class CpuReduceScatter(ReduceScatter):
             torch.sum(received.view(ranks, n), dim=0, out=output_tensor)
         else:
             dist.all_reduce(input_tensor, group=group)
-            mine = dist.get_group_rank(group, dist.get_rank())
-            output_tensor.copy_(input_tensor.view(ranks, n)[mine])
+            output_tensor.copy_(input_tensor.view(ranks, n)[group.rank()])
         if op == ReduceOp.AVG:
             output_tensor.div_(ranks)
         return None
