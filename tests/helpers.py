@@ -92,6 +92,16 @@ def shardlm_cli(args: list[str], nproc: int = 0, env: dict | None = None, timeou
     return proc
 
 
+def run_script(name: str, *args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """tests/scripts/NAME ARGS under torchrun with `nproc` ranks, seeing no GPU and one thread a rank (as shardlm_cli's
+    runs); a failure fails the test with the script's output."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(python_cmd(str(ROOT / "tests" / "scripts" / name), *args, nproc=nproc), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
 _zygotes: dict = {}  # tests/zygote.py processes of this worker, by the import-time environment they started with
 
 

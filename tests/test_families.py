@@ -13,13 +13,11 @@ latent attention, a dense first layer) adds none.
 
 import importlib.util
 import json
-import os
-import subprocess
 
 import pytest
 import torch
 
-from helpers import ROOT, generate_from_path, python_cmd, save_hf_folder, tiny
+from helpers import generate_from_path, run_script, save_hf_folder, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.models.attention import TESTED_FAMILIES
@@ -88,15 +86,10 @@ def test_fsdp_equals_one_process_resumes_exactly_and_exports_for_every_family(fo
     overrides = [a for a in tiny(corpus, cache_dir, tmp_path) if a.split("=")[0] not in
                  {"model.n_layer", "model.n_embd", "model.n_head", "model.n_positions", "out_dir"}]
     overrides += ["model.dropout=0.0", "data.seq_len=32"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
     def run(nproc: int, batch: int, *flags: str, accum: int = 1) -> dict:
-        script = [str(ROOT / "tests" / "scripts" / "family_losses.py"), f"run{nproc}", *flags,
-                  *map(str, folders.values()), "--", *overrides, f"train.batch_size={batch}",
-                  f"train.grad_accum={accum}"]
-        out = subprocess.run(python_cmd(*script, nproc=nproc), env=env, capture_output=True, text=True,
-                             timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
+        out = run_script("family_losses.py", f"run{nproc}", *flags, *map(str, folders.values()), "--", *overrides,
+                         f"train.batch_size={batch}", f"train.grad_accum={accum}", nproc=nproc, timeout=600)
         return json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT "))
 
     # 1 process accumulates the ranks' two micro-batches: a router's load-balancing loss is a statistic of each

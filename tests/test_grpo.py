@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import ROOT, python_cmd
+from helpers import run_script
 from shardlm import ShardlmError
 from shardlm.config import GrpoConfig
 from shardlm.objectives.rl.loss import (
@@ -381,13 +381,8 @@ def test_rollout_is_trls_layout():
 def test_fsdp2_gathers_once_per_round_and_two_ranks_equal_one(tmp_path):
     """2 gloo ranks, each sampling half the prompts from an FSDP2-sharded model: the completions equal one unsharded
     process's; each unit is all-gathered once per round, not once per token; training afterwards is unchanged."""
-    import subprocess
-
     out = tmp_path / "result.json"
-    cmd = python_cmd(str(ROOT / "tests" / "scripts" / "grpo_gather.py"), str(out), nproc=2)
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={
-        **__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("grpo_gather.py", str(out))
     result = json.loads(out.read_text())
     assert result["completions"] == result["reference"]
     # once each in a round of 6 forwards (the prompts, then 5 new tokens), where a forward alone gathers every unit

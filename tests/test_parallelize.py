@@ -3,12 +3,11 @@ line before any work; a config written for a GPU warns once on a CPU, with what 
 gradient reduce-scatter runs as an all-to-all (or an all-reduce), with gloo's own results."""
 
 import json
-import subprocess
 
 import pytest
 import torch
 
-from helpers import ROOT, python_cmd, shardlm_cli, tiny
+from helpers import run_script, shardlm_cli, tiny
 from shardlm import ShardlmError
 from shardlm.config import load_config
 from shardlm.distributed.parallelize import plan
@@ -57,10 +56,7 @@ def test_cpu_reduce_scatter_equals_gloos(tmp_path):
     reduce_scatter_tensor bit for bit; shardlm's `shard` gives both units of a tiny GPT-2 this comm, and its
     gradients are those of a copy left on gloo's."""
     out = tmp_path / "result.json"
-    run = subprocess.run(python_cmd(str(ROOT / "tests" / "scripts" / "reduce_scatter_check.py"), str(out), nproc=2),
-                         capture_output=True, text=True, timeout=120,
-                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("reduce_scatter_check.py", str(out), timeout=120)
     assert json.loads(out.read_text()) == {
         "sum_6": 0.0, "sum_1001": 0.0, "sum_9999": 0.0, "avg_6": 0.0, "avg_1001": 0.0, "avg_9999": 0.0,
         "installed": ["CpuReduceScatter"] * 2, "grads": 0.0}
